@@ -1,0 +1,211 @@
+"""The public entry points: ``gs.compile``, ``CompiledModule``, ``gs.backend``.
+
+``compile`` captures lazily, at the first call, like ``torch.compile``: the first inputs
+are the examples. Each distinct input signature (shapes, dtypes, devices, non-tensor
+arguments) gets its own capture and program; nothing is silently reused across shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .capture import Captured, capture, capture_graph_module, guard_key
+from .errors import GradshardError
+from .ir import PassRecord, Region
+from .pipeline import PassContext, run_passes
+from .plans import get_plan, plans
+from .schedule import Program, build_program
+
+__all__ = ["compile", "CompiledModule", "CompiledGraph", "backend", "plans", "compile_graph"]
+
+log = logging.getLogger("gradshard")
+
+
+@dataclass
+class CompiledGraph:
+    """One specialisation: the captured graph, the rewritten graph, its program and history."""
+
+    plan: str
+    options: Any
+    original: fx.GraphModule
+    gm: fx.GraphModule
+    program: Program
+    regions: tuple[Region, ...]
+    records: tuple[PassRecord, ...]
+    ctx: PassContext
+    captured: Captured | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, *flat: torch.Tensor) -> Any:
+        return self.gm(*flat)
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, options: dict[str, Any],
+                  *, captured: Captured | None = None, time_axis: tuple[int, int] | None = None,
+                  progress: Callable[[str], None] | None = None) -> CompiledGraph:
+    """Run ``plan``'s pipeline on an aten graph and schedule the result."""
+    spec = get_plan(plan)
+    opts = spec.make_options(**options)
+    ctx = PassContext(plan=plan, options=opts, example_inputs=example_inputs, captured=captured,
+                      strict=spec.needs_time_axis, time_axis=time_axis)
+    original = fx.GraphModule(gm, gm.graph)  # shares the graph; passes build new graphs
+    original.graph = _copy_graph(gm)
+    out_gm, records = run_passes(gm, spec.load_passes(), ctx, progress)
+    program = build_program(out_gm)
+    return CompiledGraph(plan, opts, original, out_gm, program, tuple(ctx.regions), tuple(records), ctx, captured)
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return g
+
+
+class CompiledModule(nn.Module):
+    """What :func:`compile` returns: call it like the original; gradients land in its params.
+
+    Attributes (valid after the first call): ``regions``, ``program``, ``passes`` (the
+    pass records), ``graph`` (the rewritten ``fx.GraphModule``); ``explain()`` prints a
+    summary; ``trace(i)`` the graph after pass ``i``.
+    """
+
+    def __init__(self, target: nn.Module | Callable[..., Any], plan: str = "none", *,
+                 frontend: str = "python", time_axis: tuple[int, int] | None = None,
+                 **options: Any) -> None:
+        super().__init__()
+        spec = get_plan(plan)
+        spec.make_options(**options)  # fail fast on bad options
+        self.plan = plan
+        self.options = options
+        self.frontend = frontend
+        self.time_axis = time_axis
+        if isinstance(target, nn.Module):
+            self.model = target
+        else:
+            self._fn = target
+        self._cache: dict[tuple, CompiledGraph] = {}
+        self._last: CompiledGraph | None = None
+
+    # ---------------------------------------------------------------- calling
+
+    @property
+    def target(self) -> nn.Module | Callable[..., Any]:
+        return self.model if "model" in self._modules else self._fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        entry = self.compiled_for(*args, **kwargs)
+        cap = entry.captured
+        assert cap is not None
+        flat = [*cap.state(), *cap.flat_inputs(args, kwargs)]
+        out = entry.gm(*flat)
+        return cap.rebuild_output(list(out))
+
+    def compiled_for(self, *args: Any, **kwargs: Any) -> CompiledGraph:
+        """Capture and compile for this input signature (cached)."""
+        key = guard_key(args, kwargs)
+        entry = self._cache.get(key)
+        if entry is None:
+            if self._cache:
+                log.info("gradshard: new input signature, capturing again (%d cached)", len(self._cache))
+            cap = capture(self.target, args, kwargs, frontend=self.frontend)
+            entry = compile_graph(cap.gm, cap.example_inputs, self.plan, self.options,
+                                  captured=cap, time_axis=self.time_axis)
+            hook = getattr(entry.gm, "gs_attach", None)
+            if callable(hook):
+                hook(self)
+            self._cache[key] = entry
+        self._last = entry
+        return entry
+
+    # ---------------------------------------------------------------- inspection
+
+    def _entry(self) -> CompiledGraph:
+        if self._last is None:
+            raise GradshardError("the module has not been called yet: gradshard captures at the "
+                                 "first call (call it once with example inputs, then inspect)")
+        return self._last
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return self._entry().regions
+
+    @property
+    def program(self) -> Program:
+        return self._entry().program
+
+    @property
+    def passes(self) -> tuple[PassRecord, ...]:
+        return self._entry().records
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        return self._entry().gm
+
+    def trace(self, index: int | str = -1) -> str:
+        """Code of the graph after pass ``index`` (an int or a pass name)."""
+        recs = self.passes
+        if isinstance(index, str):
+            matches = [r for r in recs if r.name == index]
+            if not matches:
+                raise GradshardError(f"no pass named {index!r}; passes: {[r.name for r in recs]}")
+            return matches[-1].after
+        return recs[index].after if recs else self._entry().original.code
+
+    def explain(self) -> str:
+        """A human summary: plan, regions with source lines, passes, and the stage program."""
+        e = self._entry()
+        spec = get_plan(e.plan)
+        lines = [f"gradshard plan {e.plan!r} ({spec.gradient}); options: {e.options}"]
+        lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
+        lines.append(f"regions ({len(e.regions)}):")
+        lines += [f"  - {r.describe()}" for r in e.regions] or ["  (none)"]
+        lines.append("passes:")
+        for r in e.records:
+            change = f"changed: +{len(r.created)} -{len(r.erased)} nodes" if r.changed else "analysis"
+            lines.append(f"  - {r.name} ({change}, {r.seconds * 1e3:.1f} ms): {r.doc}")
+            lines += [f"      {n}" for n in r.notes]
+        lines.append("program: " + e.program.describe())
+        return "\n".join(lines)
+
+
+def compile(model_or_fn: nn.Module | Callable[..., Any], plan: str = "none", *, frontend: str = "python",
+            time_axis: tuple[int, int] | None = None, **options: Any) -> CompiledModule:
+    """Compile ``model_or_fn`` with ``plan`` (see ``gs.plans()`` and DESIGN.md for options).
+
+    ``frontend`` picks the capture front door (``"python"``, ``"fx"``, ``"dynamo"``);
+    ``time_axis=(input_index, dim)`` overrides time-axis inference.
+    """
+    return CompiledModule(model_or_fn, plan, frontend=frontend, time_axis=time_axis, **options)
+
+
+def backend(plan: str = "none", **options: Any) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
+    """A ``torch.compile`` backend running gradshard's pipeline on Dynamo's graph.
+
+    ``torch.compile(model, backend=gs.backend(plan="adjoint", shard_size=128))``. Dynamo
+    lifts parameters to graph inputs, so gradients reach the model's own parameters.
+    The compiled graphs are kept on the returned function's ``compiled`` list.
+    """
+    get_plan(plan).make_options(**options)
+    compiled: list[CompiledGraph] = []
+
+    def compile_fn(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if any(not isinstance(x, torch.Tensor) for x in example_inputs):
+            raise GradshardError("gs.backend needs static shapes: use torch.compile(..., dynamic=False)")
+        aten_gm = capture_graph_module(gm, example_inputs)
+        entry = compile_graph(aten_gm, example_inputs, plan, options)
+        compiled.append(entry)
+
+        def run(*args: Any) -> Any:
+            return tuple(entry.gm(*args))
+
+        return run
+
+    compile_fn.compiled = compiled  # type: ignore[attr-defined]
+    return compile_fn

@@ -1,0 +1,405 @@
+"""Capture: turn a module or a ``(model, batch) -> loss`` function into one aten-level graph.
+
+Every front door ends in the same IR: a pre-dispatch aten ``fx.GraphModule`` traced by
+``make_fx(pre_dispatch=True)`` whose placeholders are, in order, the parameters, the
+buffers and the tensor inputs (flattened). High-level ops survive in this IR
+(``aten.linear``, ``aten.scaled_dot_product_attention``, ``aten.conv1d``, ``aten.cumsum``,
+gradshard's custom ops), every node carries ``meta['val']`` (shape/dtype),
+``meta['stack_trace']`` and ``meta['nn_module_stack']``.
+
+Front doors (``frontend=``):
+
+- ``"python"`` (default): trace the Python code at the example shapes. Loops over
+  ``x.shape``, config branches and dataclass outputs are followed (loops unroll).
+- ``"fx"``: ``torch.fx`` symbolic tracing with :class:`GradshardTracer` first (fails on
+  Python control flow over tensor values/shapes), then lowered to aten.
+- ``"dynamo"``: ``torch._dynamo.export`` first (graph breaks become errors), then lowered.
+- :func:`gradshard.backend` plugs into ``torch.compile`` and receives Dynamo's graph.
+
+Data-dependent control flow (``if x.sum() > 0``) cannot be captured into one graph by any
+front door; it raises :class:`CaptureError` naming the line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils import stateless
+
+from .errors import CaptureError
+
+__all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key"]
+
+FRONTENDS = ("python", "fx", "dynamo")
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def flatten_output(obj: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """Flatten a model output into leaves, returning a function that rebuilds it.
+
+    Handles tensors, tuples/lists/dicts and dataclass instances (HF-style ``ModelOutput``
+    included) recursively; other leaves (None, numbers) are kept as constants.
+    """
+    if isinstance(obj, torch.Tensor):
+        return [obj], lambda leaves: leaves[0]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj) if getattr(obj, f.name, None) is not None]
+        leaves, rebuild = flatten_output({n: getattr(obj, n) for n in names})
+        cls = type(obj)
+        return leaves, lambda ls: cls(**rebuild(ls))
+    if isinstance(obj, dict):
+        keys = list(obj.keys())
+        parts = [flatten_output(obj[k]) for k in keys]
+        counts = [len(p[0]) for p in parts]
+        leaves = [x for p in parts for x in p[0]]
+        cls = type(obj)
+
+        def rebuild_dict(ls: Sequence[Any]) -> Any:
+            out, i = {}, 0
+            for k, (_, rb), n in zip(keys, parts, counts):
+                out[k] = rb(ls[i : i + n])
+                i += n
+            return out if cls is dict else cls(out)
+
+        return leaves, rebuild_dict
+    if isinstance(obj, (tuple, list)):
+        parts = [flatten_output(x) for x in obj]
+        counts = [len(p[0]) for p in parts]
+        leaves = [x for p in parts for x in p[0]]
+        is_named = hasattr(obj, "_fields")
+        cls = type(obj)
+
+        def rebuild_seq(ls: Sequence[Any]) -> Any:
+            items, i = [], 0
+            for (_, rb), n in zip(parts, counts):
+                items.append(rb(ls[i : i + n]))
+                i += n
+            return cls(*items) if is_named else cls(items)
+
+        return leaves, rebuild_seq
+    if obj is None or isinstance(obj, (int, float, bool, str)):
+        return [], lambda leaves: obj
+    raise CaptureError(
+        f"cannot capture an output of type {type(obj).__name__}: outputs must be tensors, "
+        "tuples, lists, dicts or dataclasses of them. Return tensors (or wrap the model in a "
+        "function that does)."
+    )
+
+
+# --------------------------------------------------------------------------- the record
+
+
+@dataclass
+class Captured:
+    """A captured graph and everything needed to call it like the original.
+
+    ``gm`` takes ``(*params, *buffers, *tensor_inputs)``; ``param_names`` and
+    ``buffer_names`` are qualified names (prefixed ``argN.`` for modules passed as
+    arguments of a function); ``rebuild_output`` turns the graph's flat outputs back into
+    the user's output structure.
+    """
+
+    gm: fx.GraphModule
+    frontend: str
+    param_names: list[str]
+    buffer_names: list[str]
+    params: list[nn.Parameter]
+    buffers: list[torch.Tensor]
+    input_spec: pytree.TreeSpec
+    tensor_positions: list[int]
+    constant_leaves: list[Any]
+    rebuild_output: Callable[[Sequence[Any]], Any]
+    example_inputs: list[torch.Tensor]
+
+    @property
+    def num_state(self) -> int:
+        return len(self.params) + len(self.buffers)
+
+    def flat_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        return [leaves[i] for i in self.tensor_positions]
+
+    def state(self) -> list[torch.Tensor]:
+        return [*self.params, *self.buffers]
+
+
+def guard_key(args: tuple, kwargs: dict) -> tuple:
+    """What a captured graph is specialised on: tree structure, tensor metadata, constants."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key: list[Any] = [str(spec)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append(("T", tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
+        elif isinstance(leaf, nn.Module):
+            key.append(("M", id(leaf)))
+        else:
+            try:
+                hash(leaf)
+                key.append(("C", leaf))
+            except TypeError:
+                key.append(("C", id(leaf)))
+    return tuple(key)
+
+
+# --------------------------------------------------------------------------- module stack meta
+
+
+@contextlib.contextmanager
+def _record_module_stack(modules: Sequence[tuple[str, nn.Module]]):
+    """Record ``nn_module_stack`` on every traced node via forward hooks (make_fx has none)."""
+    import torch.fx.traceback as fx_traceback
+
+    stack: list[tuple[str, str]] = []
+    handles = []
+
+    def pre(name: str):
+        def hook(mod, args):
+            stack.append((name, type(mod).__qualname__))
+            fx_traceback.current_meta["nn_module_stack"] = {n: (n, t) for n, t in stack}
+
+        return hook
+
+    def post(mod, args, out):
+        if stack:
+            stack.pop()
+        fx_traceback.current_meta["nn_module_stack"] = {n: (n, t) for n, t in stack}
+
+    for prefix, root in modules:
+        for name, mod in root.named_modules():
+            full = ".".join(p for p in (prefix, name) if p)
+            handles.append(mod.register_forward_pre_hook(pre(full or type(root).__name__)))
+            handles.append(mod.register_forward_hook(post))
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# --------------------------------------------------------------------------- front doors
+
+
+class GradshardTracer(fx.Tracer):
+    """``torch.fx`` tracer whose leaves are gradshard primitives and registered modules.
+
+    Third-party kernels are kept opaque by registering their module class with
+    :func:`register_leaf_module`.
+    """
+
+    leaf_modules: set[type] = set()
+
+    def __init__(self) -> None:
+        super().__init__(autowrap_functions=_autowrap_functions())
+        self.record_stack_traces = True
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, tuple(self.leaf_modules)) or super().is_leaf_module(m, qualname)
+
+
+def register_leaf_module(cls: type) -> type:
+    """Keep modules of ``cls`` opaque in the ``fx`` front door (usable as a decorator)."""
+    GradshardTracer.leaf_modules.add(cls)
+    return cls
+
+
+def _autowrap_functions() -> tuple:
+    from gradshard import kernels
+
+    return tuple(
+        getattr(kernels, n) for n in ("linear_scan", "lightning_attention") if hasattr(kernels, n)
+    )
+
+
+def _symbolic(module: nn.Module) -> nn.Module:
+    tracer = GradshardTracer()
+    try:
+        graph = tracer.trace(module)
+    except Exception as exc:  # fx raises TraceError, TypeError, ... on control flow
+        raise CaptureError(
+            f"torch.fx symbolic tracing failed on {type(module).__name__}: {exc}\n"
+            "  instead: use frontend='python' (follows Python control flow at the example "
+            "shapes) or frontend='dynamo'."
+        ) from exc
+    return fx.GraphModule(module, graph, type(module).__name__)
+
+
+def _dynamo(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+    import torch._dynamo
+
+    try:
+        gm, _guards = torch._dynamo.export(module)(*args, **kwargs)
+    except Exception as exc:
+        raise CaptureError(
+            f"TorchDynamo could not capture {type(module).__name__} in one graph: "
+            f"{str(exc).splitlines()[0]}\n  instead: use frontend='python', or remove the graph "
+            "break (data-dependent Python control flow) it names."
+        ) from exc
+    return gm
+
+
+def _find_modules(target: Any, args: tuple, kwargs: dict) -> list[tuple[str, nn.Module]]:
+    """Modules whose parameters become graph inputs: the target and module arguments."""
+    found: list[tuple[str, nn.Module]] = []
+    if isinstance(target, nn.Module):
+        found.append(("", target))
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, nn.Module) and all(leaf is not m for _, m in found):
+            found.append((f"arg{i}", leaf))
+    return found
+
+
+def _explain_trace_failure(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n  at {where}"
+
+
+def capture(
+    target: nn.Module | Callable[..., Any],
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    frontend: str = "python",
+) -> Captured:
+    """Capture ``target(*args, **kwargs)`` into one aten-level graph (see module doc)."""
+    kwargs = kwargs or {}
+    if frontend not in FRONTENDS:
+        raise ValueError(f"unknown frontend {frontend!r}; choose one of {FRONTENDS}")
+    modules = _find_modules(target, args, kwargs)
+    named_params: list[tuple[str, nn.Parameter]] = []
+    named_buffers: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for prefix, mod in modules:
+        for n, p in mod.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named_params.append((f"{prefix}.{n}" if prefix else n, p))
+        for n, b in mod.named_buffers():
+            if id(b) not in seen:
+                seen.add(id(b))
+                named_buffers.append((f"{prefix}.{n}" if prefix else n, b))
+
+    call = target
+    if frontend in ("fx", "dynamo"):
+        if not isinstance(target, nn.Module):
+            raise CaptureError(
+                f"frontend={frontend!r} captures an nn.Module; got a function. "
+                "Use frontend='python' for a `(model, batch) -> loss` function."
+            )
+        call = _symbolic(target) if frontend == "fx" else _dynamo(target, args, kwargs)
+
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    rebuild_box: dict[str, Any] = {}
+    n_p, n_b = len(named_params), len(named_buffers)
+
+    def flat_fn(*flat: torch.Tensor) -> list[torch.Tensor]:
+        p_vals, b_vals, t_vals = flat[:n_p], flat[n_p : n_p + n_b], flat[n_p + n_b :]
+        new_leaves = list(leaves)
+        for pos, t in zip(tensor_positions, t_vals):
+            new_leaves[pos] = t
+        a, kw = pytree.tree_unflatten(new_leaves, in_spec)
+        with contextlib.ExitStack() as stack:
+            for prefix, mod in modules:
+                sub = {}
+                for (name, _), v in zip(named_params + named_buffers, (*p_vals, *b_vals)):
+                    if prefix == "" and not name.startswith("arg"):
+                        sub[name] = v
+                    elif prefix and name.startswith(prefix + "."):
+                        sub[name[len(prefix) + 1 :]] = v
+                stack.enter_context(stateless._reparametrize_module(mod, sub, tie_weights=True))
+            if call is not target and isinstance(call, nn.Module):
+                # fx/dynamo graph modules share the target's parameter objects by attribute;
+                # reparametrize them too so the traced graph reads the placeholders.
+                sub = {n: v for (n, _), v in zip(named_params + named_buffers, (*p_vals, *b_vals))}
+                own = dict(call.named_parameters(remove_duplicate=False))
+                own.update(dict(call.named_buffers(remove_duplicate=False)))
+                by_id = {id(t): v for (_, t), v in zip(named_params + named_buffers, (*p_vals, *b_vals))}
+                remap = {n: by_id[id(t)] for n, t in own.items() if id(t) in by_id}
+                stack.enter_context(stateless._reparametrize_module(call, remap or sub))
+            out = call(*a, **kw)
+        flat_out, rebuild = flatten_output(out)
+        rebuild_box["rebuild"] = rebuild
+        return flat_out
+
+    example = [p for _, p in named_params] + [b for _, b in named_buffers] + [leaves[i] for i in tensor_positions]
+    try:
+        with _record_module_stack(modules if frontend == "python" else []):
+            gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*example)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(
+            "could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
+            "  why: a value computed from tensor data decides Python control flow (e.g. "
+            "`if x.sum() > 0`, `.item()`, `.tolist()`), or the code calls something untraceable.\n"
+            "  instead: make the branch a tensor op (torch.where), move it out of the model, or "
+            "mark the call a leaf with gradshard.capture.register_leaf_module."
+        ) from exc
+    _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
+    _check_no_trainable_constants(gm)
+    return Captured(
+        gm=gm,
+        frontend=frontend,
+        param_names=[n for n, _ in named_params],
+        buffer_names=[n for n, _ in named_buffers],
+        params=[p for _, p in named_params],
+        buffers=[b for _, b in named_buffers],
+        input_spec=in_spec,
+        tensor_positions=tensor_positions,
+        constant_leaves=leaves,
+        rebuild_output=rebuild_box["rebuild"],
+        example_inputs=example,
+    )
+
+
+def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """Lower a torch-level graph (e.g. from Dynamo) with flat tensor inputs to aten IR."""
+
+    def flat_fn(*flat: torch.Tensor):
+        out = gm(*flat)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    with _record_module_stack([]):
+        aten = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*example_inputs)
+    for node, src in zip(aten.graph.find_nodes(op="placeholder"), gm.graph.find_nodes(op="placeholder")):
+        node.meta["gs_input_name"] = src.name
+    return aten
+
+
+def _name_placeholders(gm: fx.GraphModule, state_names: list[str], n: int) -> None:
+    """Tag placeholders with what they are: ``param:NAME``/``buffer:NAME``/``input:i``."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    for i, node in enumerate(phs):
+        node.meta["gs_input_name"] = state_names[i] if i < len(state_names) else f"input{i - len(state_names)}"
+        node.meta["gs_input_index"] = i
+
+
+def _check_no_trainable_constants(gm: fx.GraphModule) -> None:
+    """A tensor that requires grad baked into the graph as a constant would get no gradient."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        val = getattr(gm, node.target, None)
+        if isinstance(val, torch.Tensor) and val.requires_grad:
+            from .errors import node_error
+
+            raise node_error(
+                node,
+                "a tensor that requires grad is used by the model but is not a parameter of any "
+                "module passed in (e.g. a module captured from a closure or a global)",
+                "pass the module as an argument of the compiled function, or register the "
+                "tensor as an nn.Parameter of the compiled model",
+                CaptureError,
+            )

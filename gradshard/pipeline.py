@@ -1,0 +1,133 @@
+"""The pass protocol and the pass manager.
+
+A pass is a named callable ``(gm, ctx) -> PassResult``. *Detect* passes are pure analyses:
+they return the same graph with ``changed=False`` and their findings as ``regions``.
+*Rewrite* passes return a new graph. The manager runs one explicit ordered list per plan
+(see :mod:`gradshard.plans`), lints the graph after every pass, and records a
+:class:`~gradshard.ir.PassRecord` (before/after code, created/erased nodes, notes) so
+``cm.explain()`` and ``gradshard show`` can print every intermediate graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch.fx as fx
+
+from .errors import GradshardError
+from .ir import PassRecord, Region
+
+__all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed"]
+
+
+class PassFailed(GradshardError):
+    """A pass raised or produced an invalid graph."""
+
+
+@dataclass
+class PassContext:
+    """What every pass may read: the plan, its options, example inputs and earlier findings.
+
+    ``analyses`` caches analysis results by name (e.g. ``"time"`` holds the
+    :class:`~gradshard.analysis.locality.TimeLocality`); a rewrite pass that changes the
+    graph must drop the analyses it invalidates with :meth:`invalidate`.
+    """
+
+    plan: str
+    options: Mapping[str, Any]
+    example_inputs: Sequence[Any]
+    captured: Any = None
+    regions: list[Region] = field(default_factory=list)
+    analyses: dict[str, Any] = field(default_factory=dict)
+    strict: bool = True  # plan "none" runs detection non-strictly (findings only)
+    time_axis: tuple[int, int] | None = None  # user hint: (input index, dim)
+
+    def invalidate(self, *names: str) -> None:
+        for n in names or list(self.analyses):
+            self.analyses.pop(n, None)
+
+    def regions_of(self, kind: str) -> list[Region]:
+        return [r for r in self.regions if r.kind == kind]
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the (possibly new) graph, whether it changed, and findings."""
+
+    gm: fx.GraphModule
+    changed: bool = False
+    regions: tuple[Region, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+class GraphPass(Protocol):
+    name: str
+    __doc__: str | None
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
+
+
+@dataclass(frozen=True)
+class _FnPass:
+    name: str
+    fn: Callable[[fx.GraphModule, PassContext], PassResult]
+    doc: str
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        return self.fn(gm, ctx)
+
+
+def graph_pass(fn: Callable[[fx.GraphModule, PassContext], PassResult]) -> _FnPass:
+    """Decorator: turn ``def verb_object(gm, ctx) -> PassResult`` into a named pass."""
+    return _FnPass(fn.__name__, fn, (fn.__doc__ or "").strip().split("\n\n")[0])
+
+
+def lint_graph(gm: fx.GraphModule) -> None:
+    """Check the graph is well formed and every tensor node has shape metadata."""
+    gm.graph.lint()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_module", "call_method", "placeholder") and "val" not in node.meta:
+            if node.op == "call_module" or node.meta.get("gs_no_val"):
+                continue
+            raise PassFailed(f"node `{node.name}` has no shape metadata (meta['val']) after a pass")
+
+
+def run_passes(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext,
+               progress: Callable[[str], None] | None = None) -> tuple[fx.GraphModule, list[PassRecord]]:
+    """Run ``passes`` in order; return the final graph and one record per pass."""
+    records: list[PassRecord] = []
+    for p in passes:
+        if progress:
+            progress(p.name)
+        before_code = gm.code
+        before_nodes = {n.name for n in gm.graph.nodes}
+        t0 = time.perf_counter()
+        result = p(gm, ctx)
+        dt = time.perf_counter() - t0
+        new = result.gm
+        if result.changed:
+            new.recompile()
+            try:
+                lint_graph(new)
+            except GradshardError:
+                raise
+            except Exception as exc:  # fx lint errors
+                raise PassFailed(f"pass {p.name} produced an invalid graph: {exc}") from exc
+        after_nodes = {n.name for n in new.graph.nodes}
+        ctx.regions.extend(result.regions)
+        records.append(PassRecord(
+            name=p.name,
+            doc=getattr(p, "doc", "") or (p.__doc__ or "").strip().split("\n\n")[0],
+            changed=result.changed,
+            before=before_code,
+            after=new.code if result.changed else before_code,
+            created=tuple(sorted(after_nodes - before_nodes)),
+            erased=tuple(sorted(before_nodes - after_nodes)),
+            notes=result.notes,
+            regions=result.regions,
+            seconds=dt,
+        ))
+        gm = new
+    return gm, records

@@ -1,0 +1,72 @@
+"""detect_regions: run every registered region detector, then cover what none claimed.
+
+Detectors are plain functions ``(gm, ctx) -> list[Region]`` registered with
+:func:`register_detector` by the modules that know one kind of region (recurrences,
+attention, linear attention, sliceable matmuls). Nodes that read unboundedly far along
+time but that no detector claimed become ``time_mixer`` regions, so nothing that grows
+with sequence length goes unreported.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from gradshard.ir import Region, source_of
+from gradshard.pipeline import PassContext, PassResult, graph_pass
+
+Detector = Callable[[fx.GraphModule, PassContext], list[Region]]
+DETECTORS: dict[str, Detector] = {}
+
+__all__ = ["register_detector", "detect_regions", "DETECTORS"]
+
+
+def register_detector(name: str) -> Callable[[Detector], Detector]:
+    """Register a region detector under ``name`` (detectors run in registration order)."""
+
+    def deco(fn: Detector) -> Detector:
+        DETECTORS[name] = fn
+        return fn
+
+    return deco
+
+
+def _load_detectors() -> None:
+    import importlib
+
+    for mod in ("detect_recurrence", "detect_attention", "detect_linear_attention", "detect_matmuls"):
+        try:
+            importlib.import_module(f"gradshard.passes.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"gradshard.passes.{mod}":
+                raise
+
+
+@graph_pass
+def detect_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Find the regions whose memory grows with sequence length (analysis only)."""
+    _load_detectors()
+    tl = ctx.analyses.get("time")
+    found: list[Region] = []
+    notes: list[str] = []
+    for name, detector in DETECTORS.items():
+        try:
+            found.extend(detector(gm, ctx))
+        except Exception as exc:
+            if ctx.strict:
+                raise
+            notes.append(f"detector {name} failed: {str(exc).splitlines()[0]}")
+    if tl is not None:
+        claimed = {n for r in found for n in r.nodes}
+        nodes = {n.name: n for n in gm.graph.nodes}
+        for i, name in enumerate(n for n in tl.non_local_nodes() if n not in claimed and tl[n].time_dims):
+            node = nodes[name]
+            info = tl[name]
+            found.append(Region(
+                kind="time_mixer", name=f"time_mixer_{i}", nodes=(name,),
+                inputs=tuple(a.name for a in node.all_input_nodes), outputs=(name,),
+                time_axis=info.time_dims[0] if info.time_dims else None, source=source_of(node),
+                options={"reach": str(info.reach), "why": info.why},
+            ))
+    return PassResult(gm, regions=tuple(found), notes=tuple(notes))
