@@ -239,7 +239,8 @@ def _dynamo(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
     import torch._dynamo
 
     try:
-        gm, _guards = torch._dynamo.export(module)(*args, **kwargs)
+        with torch._dynamo.config.patch(allow_rnn=True):  # nn.GRU/LSTM are user code too
+            gm, _guards = torch._dynamo.export(module)(*args, **kwargs)
     except Exception as exc:
         raise CaptureError(
             f"TorchDynamo could not capture {type(module).__name__} in one graph: "
@@ -337,8 +338,7 @@ def capture(
 
     example = [p for _, p in named_params] + [b for _, b in named_buffers] + [leaves[i] for i in tensor_positions]
     try:
-        with _record_module_stack(modules if frontend == "python" else []):
-            gm = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*example)
+        gm = _trace(flat_fn, example, modules if frontend == "python" else [])
     except CaptureError:
         raise
     except Exception as exc:
@@ -350,7 +350,6 @@ def capture(
             "mark the call a leaf with gradshard.capture.register_leaf_module."
         ) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
-    _check_no_trainable_constants(gm)
     return Captured(
         gm=gm,
         frontend=frontend,
@@ -366,6 +365,30 @@ def capture(
     )
 
 
+def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequence[tuple[str, nn.Module]]) -> fx.GraphModule:
+    """make_fx at the pre-dispatch level (high-level aten ops survive); fall back to the
+    post-dispatch level when pre-dispatch tracing loses the data flow.
+
+    Pre-dispatch tracing of ``torch.vmap`` (used e.g. by ``associative_scan``'s generic
+    mode) bakes traced intermediates in as constants; the post-dispatch level traces it
+    correctly, at the price of decomposing composite ops (``linear`` becomes
+    ``t``+``addmm``). A graph that still holds a constant requiring grad is rejected.
+    """
+    with _record_module_stack(modules):
+        gm = make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*example)
+    if _trainable_constants(gm):
+        with _record_module_stack(modules):
+            gm = make_fx(fn, pre_dispatch=False, record_stack_traces=True)(*example)
+        gm.meta["gs_dispatch_level"] = "post"
+    _check_no_trainable_constants(gm)
+    return gm
+
+
+def _trainable_constants(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.find_nodes(op="get_attr")
+            if isinstance(getattr(gm, n.target, None), torch.Tensor) and getattr(gm, n.target).requires_grad]
+
+
 def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
     """Lower a torch-level graph (e.g. from Dynamo) with flat tensor inputs to aten IR."""
 
@@ -373,8 +396,7 @@ def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[torch.Tens
         out = gm(*flat)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    with _record_module_stack([]):
-        aten = make_fx(flat_fn, pre_dispatch=True, record_stack_traces=True)(*example_inputs)
+    aten = _trace(flat_fn, list(example_inputs), [])
     for node, src in zip(aten.graph.find_nodes(op="placeholder"), gm.graph.find_nodes(op="placeholder")):
         node.meta["gs_input_name"] = src.name
     return aten
@@ -390,16 +412,14 @@ def _name_placeholders(gm: fx.GraphModule, state_names: list[str], n: int) -> No
 
 def _check_no_trainable_constants(gm: fx.GraphModule) -> None:
     """A tensor that requires grad baked into the graph as a constant would get no gradient."""
-    for node in gm.graph.find_nodes(op="get_attr"):
-        val = getattr(gm, node.target, None)
-        if isinstance(val, torch.Tensor) and val.requires_grad:
-            from .errors import node_error
+    from .errors import node_error
 
-            raise node_error(
-                node,
-                "a tensor that requires grad is used by the model but is not a parameter of any "
-                "module passed in (e.g. a module captured from a closure or a global)",
-                "pass the module as an argument of the compiled function, or register the "
-                "tensor as an nn.Parameter of the compiled model",
-                CaptureError,
-            )
+    for node in _trainable_constants(gm):
+        raise node_error(
+            node,
+            "a tensor that requires grad is used by the model but is not a parameter of any "
+            "module passed in (e.g. a module captured from a closure or a global)",
+            "pass the module as an argument of the compiled function, or register the "
+            "tensor as an nn.Parameter of the compiled model",
+            CaptureError,
+        )

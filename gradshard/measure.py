@@ -22,7 +22,9 @@ What is counted (all byte counts are of tensor *storages*, i.e. ``untyped_storag
 - ``saved_bytes``: bytes of distinct storages saved for backward (``saved_tensors_hooks``) that
   were allocated during the step, i.e. activations. ``saved_bytes_total`` also counts saved
   storages that existed before the step (parameters, inputs, buffers). A saved view counts its
-  whole storage, because it keeps the whole storage alive.
+  whole storage, because it keeps the whole storage alive. Only saves made outside the autograd
+  engine count -- what the forward leaves for the backward; tensors saved while the engine runs
+  (recomputation inside backward, ``create_graph``) show up in the peak instead.
 - ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` over the whole step. ``backward_flops``
   are those of ops run by the autograd engine (including recomputation such as activation
   checkpointing, which happens during backward); ``forward_flops`` are the rest.
@@ -225,6 +227,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._allocated = 0
         self._peak_op: Any = None
         self._peak_phase = "forward"
+        self._phase_peak = {"forward": 0, "backward": 0}
         self._num_ops = 0
         self._backward_ops = 0
         self._samples: list[tuple[Any, int, str]] = []
@@ -282,6 +285,14 @@ class LiveTensorTracker(TorchDispatchMode):
         return self._peak_phase
 
     @property
+    def phase_peak_bytes(self) -> dict[str, int]:
+        """Highest ``live_bytes`` after an op of each phase: ``{"forward": .., "backward": ..}``.
+
+        The backward peak includes whatever the forward left alive (saved activations).
+        """
+        return dict(self._phase_peak)
+
+    @property
     def num_ops(self) -> int:
         """Number of ops dispatched inside the context."""
         return self._num_ops
@@ -323,6 +334,7 @@ class LiveTensorTracker(TorchDispatchMode):
         with self._lock:
             self._peak = self._live
             self._peak_op = None
+            self._phase_peak = {"forward": self._live, "backward": self._live}
 
     # ----- dispatch ----------------------------------------------------------------------
 
@@ -353,6 +365,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 if known is not None:
                     nbytes = st.nbytes()
                     if nbytes != known.nbytes:  # resized in place (resize_, out= variants)
+                        self._allocated += max(0, nbytes - known.nbytes)
                         self._add_live(nbytes - known.nbytes, func, phase)
                         known.nbytes = nbytes
                     continue
@@ -375,6 +388,8 @@ class LiveTensorTracker(TorchDispatchMode):
             self._num_ops += 1
             if phase == "backward":
                 self._backward_ops += 1
+            if self._live > self._phase_peak[phase]:
+                self._phase_peak[phase] = self._live
             if self._record_timeline:
                 self._samples.append((func, self._live, phase))
         del storages
@@ -458,8 +473,9 @@ def _pack_saved(t: torch.Tensor) -> torch.Tensor:
     # Only the innermost saved_tensors_hooks pair is called, so one call records for every
     # enclosing measure() on this thread. Returning a detached alias (not ``t`` itself) avoids a
     # reference cycle grad_fn -> packed output -> grad_fn that would keep outputs alive.
-    for recorder in _saved_stack():
-        recorder.add(t)
+    if _graph_task_id() == -1:  # saves made inside backward (recomputation) are transient
+        for recorder in _saved_stack():
+            recorder.add(t)
     return t.detach()
 
 
@@ -587,15 +603,20 @@ def describe_device(device: torch.device | str) -> str:
 
 
 def _infer_device(device: torch.device | str | None, args: tuple, kwargs: dict) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for t in tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor):
-            return t.device
-        if isinstance(t, torch.nn.Module):
-            for p in t.parameters():
-                return p.device
-    return torch.device("cpu")
+    found = torch.device("cpu") if device is None else torch.device(device)
+    if device is None:
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                found = leaf.device
+                break
+            if isinstance(leaf, torch.nn.Module):
+                param = next(leaf.parameters(), None)
+                if param is not None:
+                    found = param.device
+                    break
+    if found.type == "cuda" and found.index is None:
+        found = torch.device("cuda", torch.cuda.current_device())
+    return found
 
 
 def _synchronize(device: torch.device) -> None:
@@ -647,6 +668,10 @@ class Measurement:
     """The op whose output set the tracked peak."""
     peak_phase: str
     """``'forward'`` or ``'backward'``: where the tracked peak happened."""
+    forward_peak_bytes: int
+    """Tracked peak over ops run outside the autograd engine."""
+    backward_peak_bytes: int
+    """Tracked peak over ops run by the autograd engine (includes what the forward left alive)."""
     num_ops: int
     """Ops dispatched during the step."""
     backward_ops: int
@@ -751,7 +776,11 @@ def measure(
         step_fn(*args, **kwargs)
     _synchronize(dev)
 
-    gc.collect()
+    if dev.type == "cuda":
+        # Collect garbage left by earlier code now, so the allocator does not see it freed
+        # mid-step (that would lower the allocation below the starting point). The tracker
+        # counts only storages allocated in the step, so it does not need this.
+        gc.collect()
     tracker = LiveTensorTracker(device=dev)
     flop_counter = _PhaseFlopCounter()
     recorder = _SavedRecorder(tracker)
@@ -806,6 +835,8 @@ def measure(
         allocated_bytes=tracker.allocated_bytes,
         peak_op=tracker.peak_op,
         peak_phase=tracker.peak_phase,
+        forward_peak_bytes=tracker.phase_peak_bytes["forward"],
+        backward_peak_bytes=tracker.phase_peak_bytes["backward"],
         num_ops=tracker.num_ops,
         backward_ops=tracker.backward_ops,
         flops_by_op=tuple(by_op),

@@ -37,7 +37,7 @@ def choose_chunk(length: int) -> int:
 def _time_view(x: torch.Tensor, start: int, n: int, chunk: int) -> torch.Tensor:
     """``x[:, start:start + n*chunk]`` as (b, n, C, *s); a time-broadcast ``x`` stays broadcast."""
     if x.shape[1] == 1:
-        return x.unsqueeze(1)
+        return x.unsqueeze(1).expand(x.shape[0], n, chunk, *x.shape[2:])
     return x[:, start:start + n * chunk].reshape(x.shape[0], n, chunk, *x.shape[2:])
 
 
@@ -55,6 +55,11 @@ def _step(a: torch.Tensor, u: torch.Tensor, h: torch.Tensor, acc: torch.dtype, o
     h = torch.addcmul(u, a, h)
     out.copy_(h)
     return h
+
+
+def _at_chunk_pos(x: torch.Tensor, i: int) -> torch.Tensor:
+    """Position ``i`` of every chunk: (b, n, C, *s) -> (b, n, *s)."""
+    return x[:, :, i]
 
 
 def scan_torch(
@@ -88,13 +93,12 @@ def scan_torch(
         av, uv = _time_view(a, main, n, chunk), _time_view(u, main, n, chunk)
         ov = _time_view(out, main, n, chunk)
         steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
-        chunk_at = lambda x, i: x[:, :, 0] if x.shape[2] == 1 else x[:, :, i]  # noqa: E731
         if n == 1:
             starts = h.unsqueeze(1)
         else:
             local = torch.zeros((batch, n, *state), dtype=acc, device=u.device)
             for i in steps:
-                local = _step(chunk_at(av, i), chunk_at(uv, i), local, acc, None)
+                local = _step(_at_chunk_pos(av, i), _at_chunk_pos(uv, i), local, acc, None)
             prods = torch.prod(av.to(acc) if av.dtype != acc else av, dim=2)
             prods = prods.expand(prods.shape[0], n, *prods.shape[2:])
             starts = torch.empty((batch, n, *state), dtype=acc, device=u.device)
@@ -103,7 +107,7 @@ def scan_torch(
                 h = torch.addcmul(local[:, c], prods[:, c], h)
         cur = starts
         for i in steps:
-            cur = _step(chunk_at(av, i), chunk_at(uv, i), cur, acc, chunk_at(ov, i))
+            cur = _step(_at_chunk_pos(av, i), _at_chunk_pos(uv, i), cur, acc, _at_chunk_pos(ov, i))
         h = cur[:, 0] if reverse else cur[:, -1]
     tail_steps = range(tail - 1, -1, -1) if reverse else range(n * chunk, length)
     for t in tail_steps:

@@ -67,9 +67,10 @@ class LinearAttentionConfig:
                 f"LinearAttentionConfig.attn_impl={self.attn_impl!r}; "
                 "expected 'blockwise', 'naive' or 'gradshard'"
             )
-        for field in ("norm", "output_norm"):
-            if getattr(self, field) not in ("srms", "rms", "none"):
-                raise ValueError(f"LinearAttentionConfig.{field}={getattr(self, field)!r}; expected srms|rms|none")
+        for name in ("norm", "output_norm"):
+            value = getattr(self, name)
+            if value not in ("srms", "rms", "none"):
+                raise ValueError(f"LinearAttentionConfig.{name}={value!r}; expected 'srms', 'rms' or 'none'")
         if self.block_size < 1:
             raise ValueError(f"LinearAttentionConfig.block_size={self.block_size} must be >= 1")
 

@@ -41,6 +41,8 @@ class NodeDims:
     dims: Labels
     selected: frozenset[int] = frozenset()
     index: int | None = None  # for select nodes: the step index read
+    # per dim, the (labels, size) factors a merged dim is made of (None: one factor per dim)
+    factors: tuple[tuple[tuple[frozenset[int], int], ...], ...] | None = None
 
 
 @dataclass
@@ -110,6 +112,23 @@ class _Ctx:
         if len(labels) > 1:
             self.a.classes.union(*labels)
 
+    def unify(self, sides: list[tuple[frozenset[int], "Factors | None"]]) -> None:
+        """Declare the dims in ``sides`` (one per operand) to be the same axis.
+
+        Single-label dims unify directly; merged dims (``B*T``) unify factor by factor when
+        their factor sizes line up, and are otherwise left apart (never merge B with T).
+        """
+        sides = [(ls, fs) for ls, fs in sides if ls]
+        if len(sides) < 2:
+            return
+        if all(len(ls) == 1 for ls, _ in sides):
+            self.union(l for ls, _ in sides for l in ls)
+            return
+        facs = [fs for _, fs in sides]
+        if all(fs is not None for fs in facs) and len({tuple(sz for _, sz in fs) for fs in facs}) == 1:
+            for parts in zip(*facs):
+                self.union(l for ls, _ in parts for l in ls)
+
 
 Rule = Callable[[fx.Node, _Ctx], "NodeDims | tuple[NodeDims | None, ...] | None"]
 DIM_RULES: dict[Any, Rule] = {}
@@ -147,19 +166,28 @@ def broadcast_dims(node: fx.Node, ctx: _Ctx, args: Iterable[Any]) -> NodeDims:
     out_shape = shape_of(node) or ()
     nd = len(out_shape)
     acc: list[set[int]] = [set() for _ in range(nd)]
+    sides: list[list[tuple[frozenset[int], Any]]] = [[] for _ in range(nd)]
     for a in args:
         shp = shape_of(a) if isinstance(a, fx.Node) else None
         if shp is None:
             continue
         dims = ctx.dims(a)
+        d = ctx.get(a)
         off = nd - len(shp)
         for i, (s, ls) in enumerate(zip(shp, dims)):
             j = i + off
             if 0 <= j < nd and s == out_shape[j] and s != 1:
                 acc[j] |= ls
-    for s in acc:
-        ctx.union(s)
-    return NodeDims(tuple(frozenset(s) for s in acc), _merge_selected(node, ctx))
+                sides[j].append((ls, d.factors[i] if d is not None and d.factors is not None else None))
+    for sd in sides:
+        ctx.unify(sd)
+    factors = None
+    for a in args:
+        d = ctx.get(a)
+        if d is not None and d.factors is not None and shape_of(a) == tuple(out_shape):
+            factors = d.factors
+            break
+    return NodeDims(tuple(frozenset(s) for s in acc), _merge_selected(node, ctx), factors=factors)
 
 
 def _tensor_args(node: fx.Node) -> list[Any]:
@@ -194,18 +222,24 @@ register_dim_rule(*_SAME_SHAPE_OPS)(pointwise_rule)
 # --------------------------------------------------------------------------- views
 
 
-def reshape_labels(in_shape: tuple[int, ...], out_shape: tuple[int, ...], labels: Labels) -> Labels:
-    """Map labels through a reshape by grouping dims whose size products agree."""
+Factors = tuple[tuple[frozenset[int], int], ...]
+
+
+def reshape_labels(in_shape: tuple[int, ...], out_shape: tuple[int, ...], labels: Labels,
+                   factors: tuple[Factors, ...] | None = None) -> tuple[Labels, tuple[Factors, ...]]:
+    """Map labels through a reshape by grouping dims whose size products agree.
+
+    A merged dim remembers its factors, so ``(B, T) -> (B*T,) -> (B, T)`` gives time back
+    to the second dim only; a split whose boundaries do not fall on factors gives every
+    resulting dim the union of the group's labels.
+    """
+    if factors is None:
+        factors = tuple(((ls, s),) if s != 1 else () for ls, s in zip(labels, in_shape))
     out: list[frozenset[int]] = [frozenset() for _ in out_shape]
+    out_f: list[Factors] = [() for _ in out_shape]
     i = j = 0
-    while i < len(in_shape) or j < len(out_shape):
+    while i < len(in_shape) and j < len(out_shape):
         gi, gj = [i], [j]
-        if i >= len(in_shape):
-            j += 1
-            continue
-        if j >= len(out_shape):
-            i += 1
-            continue
         pi, pj = in_shape[i], out_shape[j]
         i, j = i + 1, j + 1
         while pi != pj:
@@ -219,11 +253,35 @@ def reshape_labels(in_shape: tuple[int, ...], out_shape: tuple[int, ...], labels
                 j += 1
             else:
                 break
-        group = frozenset().union(*(labels[k] for k in gi if k < len(labels) and in_shape[k] != 1))
-        for k in gj:
-            if k < len(out_shape) and out_shape[k] != 1:
-                out[k] = out[k] | group
-    return tuple(out)
+        flat = [f for k in gi for f in factors[k]]
+        assigned = _assign_factors(flat, [out_shape[k] for k in gj])
+        if assigned is None:
+            group = frozenset().union(*(labels[k] for k in gi if in_shape[k] != 1))
+            for k in gj:
+                if out_shape[k] != 1:
+                    out[k], out_f[k] = group, ((group, out_shape[k]),)
+        else:
+            for k, fs in zip(gj, assigned):
+                out[k] = frozenset().union(*(ls for ls, _ in fs)) if fs else frozenset()
+                out_f[k] = fs
+    return tuple(out), tuple(out_f)
+
+
+def _assign_factors(flat: list[tuple[frozenset[int], int]], sizes: list[int]) -> list[Factors] | None:
+    """Split a factor list into consecutive runs whose products are ``sizes`` (or None)."""
+    res: list[Factors] = []
+    f = 0
+    for size in sizes:
+        run: list[tuple[frozenset[int], int]] = []
+        prod = 1
+        while prod < size and f < len(flat):
+            run.append(flat[f])
+            prod *= flat[f][1]
+            f += 1
+        if prod != size:
+            return None
+        res.append(tuple(run))
+    return res if f == len(flat) else None
 
 
 @register_dim_rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
@@ -233,7 +291,8 @@ def _reshape_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     in_shape, out_shape = shape_of(src) or (), shape_of(node) or ()
     d = ctx.get(src)
     labels = d.dims if d else ctx.fresh_dims(in_shape)
-    return NodeDims(reshape_labels(in_shape, out_shape, labels), d.selected if d else frozenset())
+    dims, factors = reshape_labels(in_shape, out_shape, labels, d.factors if d else None)
+    return NodeDims(dims, d.selected if d else frozenset(), factors=factors)
 
 
 @register_dim_rule(aten.transpose, aten.swapaxes, aten.swapdims)
@@ -242,7 +301,10 @@ def _transpose_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     dims = list(d.dims if d else ctx.fresh_dims(shape_of(node.args[0]) or ()))
     a, b = _norm(node.args[1], len(dims)), _norm(node.args[2], len(dims))
     dims[a], dims[b] = dims[b], dims[a]
-    return NodeDims(tuple(dims), d.selected if d else frozenset())
+    factors = list(d.factors) if d is not None and d.factors is not None else None
+    if factors is not None:
+        factors[a], factors[b] = factors[b], factors[a]
+    return NodeDims(tuple(dims), d.selected if d else frozenset(), factors=tuple(factors) if factors else None)
 
 
 @register_dim_rule(aten.t)
@@ -253,9 +315,11 @@ def _t_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
 
 @register_dim_rule(aten.permute)
 def _permute_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
+    d = ctx.get(node.args[0])
     dims = ctx.dims(node.args[0])
     perm = [_norm(p, len(dims)) for p in node.args[1]]
-    return NodeDims(tuple(dims[p] for p in perm), _merge_selected(node, ctx))
+    factors = tuple(d.factors[p] for p in perm) if d is not None and d.factors is not None else None
+    return NodeDims(tuple(dims[p] for p in perm), _merge_selected(node, ctx), factors=factors)
 
 
 @register_dim_rule(aten.movedim)
@@ -349,6 +413,7 @@ def _cat_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     dim = _norm(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(out_shape))
     acc: list[set[int]] = [set() for _ in out_shape]
     along: set[int] = set()
+    sides: list[list[frozenset[int]]] = [[] for _ in out_shape]
     for p in pieces:
         pd = ctx.get(p)
         shp = shape_of(p) or ()
@@ -361,9 +426,10 @@ def _cat_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
                     along |= pd.selected
             elif shp[i] == out_shape[i] and shp[i] != 1:
                 acc[i] |= ls
+                sides[i].append(ls)
     acc[dim] |= along
-    for s in acc:
-        ctx.union(s)
+    for sd in sides:
+        ctx.unify([(ls, None) for ls in sd])
     return NodeDims(tuple(frozenset(s) for s in acc), frozenset())
 
 
@@ -375,6 +441,7 @@ def _stack_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     nd = len(out_shape) - 1
     acc: list[set[int]] = [set() for _ in range(nd)]
     new_axis: set[int] = set()
+    sides: list[list[frozenset[int]]] = [[] for _ in range(nd)]
     for p in pieces:
         pd = ctx.get(p)
         if pd is None:
@@ -382,8 +449,10 @@ def _stack_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
         new_axis |= pd.selected
         for i, ls in enumerate(pd.dims[:nd]):
             acc[i] |= ls
-    for s in (*acc, new_axis):
-        ctx.union(s)
+            sides[i].append(ls)
+    for sd in sides:
+        ctx.unify([(ls, None) for ls in sd])
+    ctx.union(new_axis)
     dims = [frozenset(s) for s in acc]
     dims.insert(dim, frozenset(new_axis) if len(pieces) > 1 else frozenset())
     return NodeDims(tuple(dims), frozenset())
@@ -420,14 +489,16 @@ def _matmul_dims(a: Labels, b: Labels, sa: tuple[int, ...], sb: tuple[int, ...],
         b, sb = b + (frozenset(),), sb + (1,)
     batch_nd = len(out_shape) - 2 if len(out_shape) >= 2 else 0
     out: list[set[int]] = [set() for _ in range(batch_nd)]
+    sides: list[list[frozenset[int]]] = [[] for _ in range(batch_nd)]
     for labels, shp in ((a[:-2], sa[:-2]), (b[:-2], sb[:-2])):
         off = batch_nd - len(shp)
         for i, (ls, s) in enumerate(zip(labels, shp)):
             if 0 <= i + off < batch_nd and s == out_shape[i + off] and s != 1:
                 out[i + off] |= ls
-    for s in out:
-        ctx.union(s)
-    ctx.union(a[-1] | b[-2])  # contracted dims are the same axis
+                sides[i + off].append(ls)
+    for sd in sides:
+        ctx.unify([(ls, None) for ls in sd])
+    ctx.unify([(a[-1], None), (b[-2], None)])  # contracted dims are the same axis
     res = [frozenset(s) for s in out] + [a[-2], b[-1]]
     return tuple(res[-len(out_shape):]) if out_shape else ()
 
@@ -453,7 +524,7 @@ def _linear_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     xd = ctx.dims(x)
     wd = ctx.dims(w)
     if len(wd) == 2:
-        ctx.union(xd[-1] | wd[1])
+        ctx.unify([(xd[-1], None), (wd[1], None)])
         return NodeDims(tuple(xd[:-1]) + (wd[0],), _merge_selected(node, ctx))
     return NodeDims(tuple(xd[:-1]) + (frozenset(),), _merge_selected(node, ctx))
 
@@ -464,6 +535,7 @@ def _einsum_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     lhs, _, rhs = eq.replace(" ", "").partition("->")
     in_specs = lhs.split(",")
     letter: dict[str, set[int]] = {}
+    letter_sides: dict[str, list[frozenset[int]]] = {}
     for spec, op in zip(in_specs, operands):
         dims = ctx.dims(op)
         shp = shape_of(op) or ()
@@ -476,8 +548,9 @@ def _einsum_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
         for nm, ls, s in zip(names, dims, shp):
             if s != 1:
                 letter.setdefault(nm, set()).update(ls)
-    for s in letter.values():
-        ctx.union(s)
+                letter_sides.setdefault(nm, []).append(ls)
+    for sd in letter_sides.values():
+        ctx.unify([(ls, None) for ls in sd])
     out_shape = shape_of(node) or ()
     if not rhs:
         rhs = "".join(sorted(c for c in letter if len(c) == 1 and sum(sp.count(c) for sp in in_specs) == 1))
@@ -543,7 +616,7 @@ def _keep_rank_rule(node: fx.Node, ctx: _Ctx) -> NodeDims | tuple[NodeDims | Non
 def _sdpa_rule(node: fx.Node, ctx: _Ctx) -> NodeDims | tuple[NodeDims | None, ...]:
     q, k, v = node.args[:3]
     qd, kd, vd = ctx.dims(q), ctx.dims(k), ctx.dims(v)
-    ctx.union(kd[-2] | vd[-2])
+    ctx.unify([(kd[-2], None), (vd[-2], None)])
     nd = NodeDims(tuple(qd[:-1]) + (vd[-1],), _merge_selected(node, ctx))
     if isinstance(node.meta.get("val"), (tuple, list)):
         return (nd,) + tuple(None for _ in node.meta["val"][1:])
@@ -562,7 +635,7 @@ def _loss_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
                 j = i if i == 0 else i + 1
                 if len(ld) == 2:
                     j = 0
-                ctx.union(ls | ld[j])
+                ctx.unify([(ls, None), (ld[j], None)])
     else:
         broadcast_dims(node, ctx, [logits, target])
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -172,10 +173,11 @@ class PendingOp:
         if self.done:
             return self.tensor
         timeout = self._comm.resolve_timeout(timeout_s)
+        start = time.monotonic()
         try:
             self._work.wait(datetime.timedelta(seconds=timeout))
         except Exception as exc:  # gloo/nccl raise RuntimeError on timeout or a closed peer
-            raise self._comm.failure(self._what, timeout, exc) from exc
+            raise self._comm.failure(self._what, time.monotonic() - start, exc) from exc
         self.done = True
         return self.tensor
 
@@ -201,8 +203,9 @@ class Communicator:
             return timeout_s
         return self.timeout_s if self.timeout_s is not None else get_default_timeout()
 
-    def failure(self, what: str, timeout_s: float, exc: BaseException) -> CommTimeoutError:
-        """The error for an operation ``what`` (e.g. "for X from rank 0") that did not complete."""
+    def failure(self, what: str, waited_s: float | None, exc: BaseException) -> CommTimeoutError:
+        """The error for an operation ``what`` ("for X from rank 0") that failed after
+        ``waited_s`` seconds of waiting (``None``: it failed when it was posted)."""
         text = str(exc)
         if "closed" in text.lower() or "reset" in text.lower():
             why = "the connection was closed: the peer most likely crashed or raised"
@@ -210,8 +213,13 @@ class Communicator:
             why = "nothing arrived: the peer is dead, stuck, or slower than the timeout"
         else:
             why = f"the backend reported: {text.splitlines()[0] if text else type(exc).__name__}"
+        if waited_s is None:
+            head = f"rank {self.rank} could not post the operation {what}"
+        else:
+            head = f"rank {self.rank} waited {waited_s:.1f} s {what} and gave up"
         return CommTimeoutError(
-            f"rank {self.rank} waited {timeout_s:g} s {what} and gave up ({why}). Check the "
+            f"{head} ({why}; timeout "
+            f"{self.resolve_timeout():g} s, the group's own timeout may be shorter). Check the "
             f"other ranks' logs for the first error; if the peer is only slow, raise the timeout "
             f"(Communicator(group, timeout_s=...), set_default_timeout or GRADSHARD_COMM_TIMEOUT_S)."
         )
@@ -237,7 +245,7 @@ class Communicator:
         try:
             work = self.group.send([tensor], dst, tag)
         except Exception as exc:
-            raise self.failure(what, self.resolve_timeout(), exc) from exc
+            raise self.failure(what, None, exc) from exc
         return PendingOp(self, work, what, tensor)
 
     def irecv(
@@ -252,7 +260,7 @@ class Communicator:
         try:
             work = self.group.recv([tensor], src, tag)
         except Exception as exc:
-            raise self.failure(what, self.resolve_timeout(), exc) from exc
+            raise self.failure(what, None, exc) from exc
         return PendingOp(self, work, what, tensor)
 
     def send(
@@ -278,7 +286,7 @@ class Communicator:
         try:
             work = self.group.allreduce([tensor], op)
         except Exception as exc:
-            raise self.failure(what, self.resolve_timeout(), exc) from exc
+            raise self.failure(what, None, exc) from exc
         return PendingOp(self, work, what, tensor)
 
     def all_reduce(

@@ -40,7 +40,6 @@ The module interface (:class:`SlicedParameters`) is three methods, which gradsha
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import os
 import re
@@ -52,6 +51,7 @@ import torch.nn as nn
 
 from ..errors import GradshardError
 from ..runtime import partial
+from .comm import CommError, Communicator
 
 Tensor = torch.Tensor
 
@@ -223,32 +223,29 @@ def make_fragments(
 
 
 class _Comm:
-    """All-reduce over a ProcessGroup object, the default world (group None), or nothing."""
+    """Timed all-reduce over a ProcessGroup object, the default world (group None), or nothing.
+
+    Goes through :class:`gradshard.distributed.comm.Communicator`, so the bytes show up in a
+    :class:`~gradshard.distributed.comm.CommCounter` under labels ``diloco.*``.
+    """
 
     def __init__(self, group: Any | None, timeout_s: float) -> None:
-        self.group = group
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        if group is not None:
-            self.rank, self.size = group.rank(), group.size()
-        elif dist.is_available() and dist.is_initialized():
-            self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.size = 0, 1
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.comm = Communicator(group, timeout_s) if group is not None else None
+        self.rank = self.comm.rank if self.comm else 0
+        self.size = self.comm.world_size if self.comm else 1
 
-    def allreduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, what: str = "") -> None:
-        if self.size == 1:
+    def allreduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, label: str = "diloco") -> None:
+        if self.comm is None or self.size == 1:
             return
         try:
-            if self.group is None:
-                work = dist.all_reduce(t, op=op, async_op=True)
-            else:
-                work = self.group.allreduce([t], op, self.timeout)
-            work.wait(self.timeout)
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            self.comm.all_reduce(t, label=label, op=op)
+        except CommError as exc:
             raise DiLoCoError(
-                f"rank {self.rank}: all-reduce of {what or 'tensors'} failed or timed out after "
-                f"{self.timeout.total_seconds():.0f} s ({exc}); a rank may have crashed or be out of "
-                f"step (every rank must call step() the same number of times)"
+                f"{exc}\nDiLoCo: every rank must construct the outer loop and call step() the "
+                f"same number of times; a rank that stopped early or crashed leaves the others "
+                f"waiting in `{label}` until the timeout"
             ) from exc
 
 
@@ -358,15 +355,15 @@ class PartialDiLoCo:
         hi = lo.clone()
         n_max = torch.tensor([len(hashes)], device=device)
         n_min = n_max.clone()
-        self._comm.allreduce(n_max, dist.ReduceOp.MAX, "parameter count")
-        self._comm.allreduce(n_min, dist.ReduceOp.MIN, "parameter count")
+        self._comm.allreduce(n_max, dist.ReduceOp.MAX, "diloco.parameter_count")
+        self._comm.allreduce(n_min, dist.ReduceOp.MIN, "diloco.parameter_count")
         if n_max.item() != n_min.item():
             raise DiLoCoError(
                 f"rank {self.rank}: replicas have different numbers of parameters "
                 f"({n_min.item() - 1} to {n_max.item() - 1}); every rank must build the same model"
             )
-        self._comm.allreduce(lo, dist.ReduceOp.MIN, "parameter hashes")
-        self._comm.allreduce(hi, dist.ReduceOp.MAX, "parameter hashes")
+        self._comm.allreduce(lo, dist.ReduceOp.MIN, "diloco.parameter_hashes")
+        self._comm.allreduce(hi, dist.ReduceOp.MAX, "diloco.parameter_hashes")
         differ = (lo != hi).nonzero().flatten().tolist()
         if not differ:
             return
@@ -392,7 +389,7 @@ class PartialDiLoCo:
         if given is None:
             dtype = torch.float64
             flat = torch.cat([m.reshape(-1).to(dtype) for m in self._masks.values()]) if full else torch.zeros(0)
-            self._comm.allreduce(flat, dist.ReduceOp.SUM, "trained masks (count vector)")
+            self._comm.allreduce(flat, dist.ReduceOp.SUM, "diloco.count_vector")
             counts, pos = {}, 0
             for n, m in self._masks.items():
                 counts[n] = flat[pos : pos + m.numel()].view(m.shape).to(self.outer_device, self._outer_dtype(full[n]))
@@ -441,7 +438,7 @@ class PartialDiLoCo:
             d = g.to(v.device) - v.to(g.dtype)
             deltas.append(torch.where(self._masks[n], d, torch.zeros((), dtype=d.dtype, device=d.device)))
         flat = torch.cat([d.reshape(-1) for d in deltas])
-        self._comm.allreduce(flat, dist.ReduceOp.SUM, f"fragment {fragment} deltas")
+        self._comm.allreduce(flat, dist.ReduceOp.SUM, f"diloco.fragment{fragment}")
         new: dict[str, Tensor] = {}
         pos = 0
         for n in names:

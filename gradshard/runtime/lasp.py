@@ -15,7 +15,7 @@ Backward mirrors it with ``D = dL/dF`` arriving from rank ``r+1``::
 
     dS  = dS0 + G D                                  -> sent to rank r-1 first
     dq += P_t do_t S^T      dk += R_t v_t D^T         dv += R_t k_t D
-    da_t += (sum_{s>=t} P_s e_s + sum_{s<t} R_s c_s) / a_t
+    da_t += d/da_t [sum_s P_s e_s + sum_s R_s c_s]        (two scalar scans, no division)
           e_s = <do_s, q_s S> (+ <D, S> at s = T-1),  c_s = <k_s^T v_s, D>,  R_t = a_{t+1} ... a_{T-1}
 
 where ``dq0, dk0, dv0, da0, dS0`` are the kernel's own backward for ``do`` (run while ``D``
@@ -102,11 +102,14 @@ def _resolve_kernel(kernel: KernelFn | None) -> KernelFn:
         return kernel
     try:
         from gradshard.kernels import lightning_attention
-    except ImportError as exc:
-        raise ImportError(
-            "lasp_attention needs gradshard.kernels.lightning_attention, which could not be "
-            "imported; pass kernel=<a function with the same signature> instead"
-        ) from exc
+    except ImportError:
+        try:
+            from gradshard.kernels.lightning import lightning_attention
+        except ImportError as exc:
+            raise ImportError(
+                "lasp_attention needs gradshard.kernels.lightning_attention, which could not be "
+                "imported; pass kernel=<a function with the same signature> instead"
+            ) from exc
     return lightning_attention
 
 
@@ -138,8 +141,6 @@ def _check_inputs(
                 f"{where}: decay must have shape (H,) = ({h},) or (B, H, T) = ({b}, {h}, {t}) "
                 f"(this rank's slice of the gates), got {tuple(decay.shape)}"
             )
-        if bool((decay <= 0).any()) or bool((decay > 1).any()):
-            raise ValueError(f"{where}: decay values must lie in (0, 1]")
     if initial_state is not None and initial_state.shape != (b, h, dk, v.shape[-1]):
         raise ValueError(
             f"{where}: initial_state must have shape (B, H, dk, dv) = "
@@ -161,6 +162,33 @@ def _decay_products(
     if t > 1:
         suffix[..., :-1] = torch.cumprod(a[..., 1:].flip(-1), dim=-1).flip(-1)
     return prefix, suffix
+
+
+def _shares_storage(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    ptr = x.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def _add_row_scaled_matmul(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: torch.Tensor | None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """``out + scale[..., None] * (a @ b)`` for ``a`` (B, H, T, m), ``b`` (B, H, m, n).
+
+    The product runs in ``b``'s (state) dtype. With ``inplace`` (and a contiguous ``out`` of
+    that dtype) ``out`` is updated by one batched ``baddbmm_`` without a (T, n) temporary.
+    """
+    a = a.detach().to(b.dtype)
+    if scale is not None:
+        a = a * scale[..., None]
+    if inplace and out.dtype == b.dtype and out.is_contiguous():
+        n_b, h, t, m = a.shape
+        out.view(n_b * h, t, -1).baddbmm_(a.reshape(n_b * h, t, m), b.reshape(n_b * h, m, -1))
+        return out
+    return (out + torch.matmul(a, b)).to(out.dtype)
 
 
 class _LaspAttention(torch.autograd.Function):
@@ -236,10 +264,8 @@ class _LaspAttention(torch.autograd.Function):
         # 5. The incoming state's contribution to the output, while the send is in flight.
         o = o_loc.detach()
         if s_in is not None:
-            inter = torch.matmul(q.detach().to(sdtype), s_in)
-            if prods is not None:
-                inter = inter * prods[0][..., None]
-            o = (o + inter).to(o_loc.dtype)
+            o = _add_row_scaled_matmul(o, q.detach(), s_in, prods[0] if prods is not None else None,
+                                       inplace=not _shares_storage(o, q, k, v))
 
         ctx.comm, ctx.layer_id = comm, layer_id
         ctx.has_decay, ctx.const_decay = decay is not None, decay is not None and decay.dim() == 1
@@ -286,16 +312,12 @@ class _LaspAttention(torch.autograd.Function):
         ctx.edge = ctx.leaves = None  # release the kernel's graph as early as possible
 
         prefix, suffix = ctx.prods if ctx.prods is not None else (None, None)
-        do_s = do.to(sdtype)
         e = None  # e_t = <do_t, q_t S>, for the decay gradient
         if s_in is not None:
-            if grads[0] is not None:
-                dq_inter = torch.matmul(do_s, s_in.transpose(-1, -2))
-                if prefix is not None:
-                    dq_inter = dq_inter * prefix[..., None]
-                grads[0] = grads[0] + dq_inter.to(grads[0].dtype)
+            if grads[0] is not None:  # dq += P_t do_t S^T
+                grads[0] = _add_row_scaled_matmul(grads[0], do, s_in.transpose(-1, -2), prefix)
             if grads[3] is not None:
-                e = (torch.matmul(q.to(sdtype), s_in) * do_s).sum(-1)
+                e = (torch.matmul(q.to(sdtype), s_in) * do.to(sdtype)).sum(-1)
 
         # 3. D from rank+1 (plus the caller's gradient of the returned final state).
         d_final: torch.Tensor | None = pending_recv.wait() if pending_recv is not None else None
@@ -317,18 +339,12 @@ class _LaspAttention(torch.autograd.Function):
         # 5. The rest of D's contribution: dk, dv and the gates.
         c = None  # c_t = <k_t^T v_t, D>
         if d_final is not None:
-            k_s, v_s = k.to(sdtype), v.to(sdtype)
-            kd = torch.matmul(k_s, d_final)  # (B, H, T, dv)
-            if grads[1] is not None:
-                dk_inter = torch.matmul(v_s, d_final.transpose(-1, -2))
-                if suffix is not None:
-                    dk_inter = dk_inter * suffix[..., None]
-                grads[1] = grads[1] + dk_inter.to(grads[1].dtype)
-            if grads[2] is not None:
-                dv_inter = kd * suffix[..., None] if suffix is not None else kd
-                grads[2] = grads[2] + dv_inter.to(grads[2].dtype)
+            if grads[1] is not None:  # dk += R_t v_t D^T
+                grads[1] = _add_row_scaled_matmul(grads[1], v, d_final.transpose(-1, -2), suffix)
+            if grads[2] is not None:  # dv += R_t k_t D
+                grads[2] = _add_row_scaled_matmul(grads[2], k, d_final, suffix)
             if grads[3] is not None:
-                c = (kd * v_s).sum(-1)
+                c = (torch.matmul(k.to(sdtype), d_final) * v.to(sdtype)).sum(-1)
         if grads[3] is not None and (e is not None or c is not None):
             grads[3] = grads[3] + _decay_grad_correction(
                 decay, prefix, suffix, e, c, s_in, d_final, ctx.const_decay
@@ -343,6 +359,23 @@ class _LaspAttention(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+def _scan(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``h_t = a_t h_{t-1} + u_t`` (``h_{-1} = 0``) along the last dim, by log-depth doubling.
+
+    Division- and log-free (exact for gates equal to 0); O(n log n) work on the small
+    (B, H, T) scalars of the decay gradient, which is negligible next to the attention.
+    """
+    a, h = a.clone(), u.clone()
+    n, shift = h.shape[-1], 1
+    while shift < n:
+        h_new = h.clone()
+        h_new[..., shift:] += a[..., shift:] * h[..., :-shift]
+        a_new = a.clone()
+        a_new[..., shift:] *= a[..., :-shift]
+        a, h, shift = a_new, h_new, 2 * shift
+    return h
+
+
 def _decay_grad_correction(
     decay: torch.Tensor,
     prefix: torch.Tensor,
@@ -353,27 +386,33 @@ def _decay_grad_correction(
     d_final: torch.Tensor | None,
     const: bool,
 ) -> torch.Tensor:
-    """Gradient of ``sum_t P_t e_t + sum_t R_t c_t + G <D, S>`` w.r.t. the gates.
+    """Gradient of ``sum_t P_t e_t + sum_t R_t c_t + G <D, S>`` w.r.t. the gates ``a``.
 
-    ``d/da_t sum_s P_s e_s = sum_{s>=t} P_s e_s / a_t`` and ``d/da_t sum_s R_s c_s =
-    sum_{s<t} R_s c_s / a_t`` (gates are in (0, 1], checked on entry). For a constant
-    per-head decay the per-step gradient is summed over batch and time.
+    Without dividing by gates::
+
+        d/da_t sum_s P_s e_s = P_{t-1} y_t,  y_t = e_t + a_{t+1} y_{t+1}   (reverse scan)
+        d/da_t sum_s R_s c_s = R_t z_{t-1},  z_t = a_t z_{t-1} + c_t      (forward scan)
+
+    and ``G <D, S>`` enters as an extra ``e_{T-1}``. For a constant per-head decay the
+    per-step gradient is summed over batch and time.
     """
-    total = torch.zeros(torch.broadcast_shapes(prefix.shape, (e if e is not None else c).shape),
-                        dtype=prefix.dtype, device=prefix.device)
+    shape = torch.broadcast_shapes(prefix.shape, (e if e is not None else c).shape)
+    a = decay.detach().to(prefix.dtype)
+    a = (a[None, :, None] if const else a).expand(shape)
+    total = torch.zeros(shape, dtype=prefix.dtype, device=prefix.device)
     if e is not None:
         e = e.clone()
         if d_final is not None:
             e[..., -1] += (d_final * s_in).sum((-1, -2))
-        pe = prefix * e
-        total = total + pe.flip(-1).cumsum(-1).flip(-1)
+        a_next = torch.cat([a[..., 1:], torch.zeros_like(a[..., :1])], -1)
+        y = _scan(a_next.flip(-1), e.flip(-1)).flip(-1)
+        p_prev = torch.cat([torch.ones_like(prefix[..., :1]), prefix[..., :-1]], -1)
+        total = total + p_prev * y
     if c is not None:
-        rc = suffix * c
-        total = total + (rc.cumsum(-1) - rc)
-    a = decay.detach().to(prefix.dtype)
-    if const:
-        return (total / a[None, :, None]).sum((0, 2))
-    return total / a
+        z = _scan(a, c)
+        z_prev = torch.cat([torch.zeros_like(z[..., :1]), z[..., :-1]], -1)
+        total = total + suffix * z_prev
+    return total.sum((0, 2)) if const else total
 
 
 def lasp_attention(
@@ -398,7 +437,8 @@ def lasp_attention(
             (rank order = sequence order; slices may differ in length, see
             :func:`split_sequence`).
         decay: ``None``, ``(H,)`` constant per head, or ``(B, H, T_r)`` per-step gates (this
-            rank's slice), all in ``(0, 1]``. ``kv_t = decay_t * kv_{t-1} + k_t^T v_t``.
+            rank's slice), meant to lie in ``(0, 1]`` (nothing divides by them; 0 is
+            exact). ``kv_t = decay_t * kv_{t-1} + k_t^T v_t``.
         group: the sequence-parallel ``ProcessGroup`` (any group object; ranks are group ranks).
         layer_id: unique per layer (message tags ``2*layer_id`` and ``2*layer_id + 1``).
         chunk_size: passed to the kernel.

@@ -1,0 +1,31 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Each creates .venv if missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.gradshard-installed
+# torch 2.13.0: the CPU build where the machine has no CUDA (pip takes the local CPU wheel
+# here), the CUDA build from PyPI on GPU machines.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test test-fast bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/gradshard demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow"
+
+bench: $(STAMP)
+	$(VENV)/bin/gradshard bench all
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,156 @@
+"""Triton diagonal linear scan, forward and reverse, chunk-parallel over time, fp32 accumulation.
+
+One program owns ``BLOCK_N`` state channels of one batch row and one time chunk. It walks its
+chunk in tiles of ``BLOCK_T`` steps; inside a tile the recurrence is a ``tl.associative_scan``
+with the affine combine ``(a1, u1) . (a2, u2) = (a1 a2, a2 u1 + u2)``, and the tile's last row is
+the carry into the next tile. The reverse scan loads tiles in reversed time order and runs the
+same forward combine (no reliance on ``associative_scan(reverse=True)`` semantics).
+
+When ``batch * channel blocks`` is too small to fill the GPU, time is cut into chunks:
+
+1. ``SUMMARY`` launch: every chunk's local end state (from zero) and its product of ``a``;
+2. the chunk summaries are themselves a linear scan (recursive call) giving each chunk's
+   incoming state;
+3. final launch: every chunk rescans from its incoming state and writes ``h``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import accumulation_dtype
+from .layout import check_device, state_strides, tl_dtype, INTERPRETED
+
+
+@triton.jit
+def affine_combine(a1, u1, a2, u2):
+    """Compose two affine maps h -> a h + u (first (a1, u1), then (a2, u2))."""
+    return a1 * a2, a2 * u1 + u2
+
+
+@triton.jit
+def _scan_chunk_kernel(
+    A, U, CARRY, OUT, SUM_H, SUM_P,
+    T, N, N1, CHUNK,
+    sa_b, sa_t, sa_n0, sa_n1,
+    su_b, su_t, sc_b, sc_c, so_b, so_t, ss_b, ss_c,
+    REVERSE: tl.constexpr, HAS_CARRY: tl.constexpr, SUMMARY: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    a_n = (n // N1).to(tl.int64) * sa_n0 + (n % N1).to(tl.int64) * sa_n1
+    c_start = pid_c * CHUNK
+    c_len = tl.minimum(CHUNK, T - c_start)
+    if HAS_CARRY:
+        h = tl.load(CARRY + pid_b * sc_b + pid_c * sc_c + n, mask=nmask, other=0.0).to(ACC)
+    else:
+        h = tl.zeros([BLOCK_N], dtype=ACC)
+    prod = tl.full([BLOCK_N], 1.0, ACC)
+    rows = tl.arange(0, BLOCK_T)
+    last = (rows == BLOCK_T - 1)[:, None]
+    for k0 in range(0, c_len, BLOCK_T):
+        i = k0 + rows
+        valid = i < c_len
+        if REVERSE:
+            t = (c_start + c_len - 1 - i).to(tl.int64)
+        else:
+            t = (c_start + i).to(tl.int64)
+        m2 = valid[:, None] & nmask[None, :]
+        # Padding rows are the identity map (a = 1, u = 0): the last row is the last valid state.
+        a = tl.load(A + pid_b * sa_b + t[:, None] * sa_t + a_n[None, :], mask=m2, other=1.0).to(ACC)
+        u = tl.load(U + pid_b * su_b + t[:, None] * su_t + n[None, :], mask=m2, other=0.0).to(ACC)
+        a_cum, u_cum = tl.associative_scan((a, u), 0, affine_combine)
+        hs = a_cum * h[None, :] + u_cum
+        if SUMMARY:
+            prod = prod * tl.sum(tl.where(last, a_cum, 0.0), axis=0)
+        else:
+            tl.store(OUT + pid_b * so_b + t[:, None] * so_t + n[None, :], hs, mask=m2)
+        h = tl.sum(tl.where(last, hs, 0.0), axis=0)
+    if SUMMARY:
+        tl.store(SUM_H + pid_b * ss_b + pid_c * ss_c + n, h, mask=nmask)
+        tl.store(SUM_P + pid_b * ss_b + pid_c * ss_c + n, prod, mask=nmask)
+
+
+def _blocks(n: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_N): tiny tiles under the interpreter (it scans element by element)."""
+    if INTERPRETED:
+        return 8, min(16, triton.next_power_of_2(max(1, n)))
+    return 32, min(128, max(16, triton.next_power_of_2(max(1, n))))
+
+
+def _default_chunk(batch: int, n: int, length: int, block_t: int, block_n: int, device: torch.device) -> int:
+    """Time-chunk length: one chunk unless batch x channel blocks leave the GPU underused."""
+    programs = batch * triton.cdiv(n, block_n)
+    if INTERPRETED or device.type != "cuda":
+        return length
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= target:
+        return length
+    chunks = max(1, target // programs)
+    chunk = triton.cdiv(length, chunks)
+    return max(8 * block_t, triton.cdiv(chunk, block_t) * block_t)
+
+
+def scan_triton(
+    a: torch.Tensor,
+    u: torch.Tensor,
+    h0: Optional[torch.Tensor],
+    reverse: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """Same contract as :func:`gradshard.kernels.scan_torch.scan_torch`; ``chunk`` forces the time chunk."""
+    check_device(u)
+    acc = accumulation_dtype(torch.promote_types(a.dtype, u.dtype))
+    out_dtype = acc if out_dtype is None else out_dtype
+    batch, length = u.shape[0], u.shape[1]
+    n = 1
+    for s in u.shape[2:]:
+        n *= int(s)
+    out = torch.empty(u.shape, dtype=out_dtype, device=u.device)
+    if length == 0 or batch == 0 or n == 0:
+        return out
+    u3 = u.reshape(batch, length, n).contiguous()
+    o3 = out.view(batch, length, n)
+    sa = state_strides(a, u.shape)
+    h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
+    block_t, block_n = _blocks(n)
+    if chunk is None:
+        chunk = _default_chunk(batch, n, length, block_t, block_n, u.device)
+    chunk = max(1, min(int(chunk), length))
+    n_chunks = triton.cdiv(length, chunk)
+    grid = (triton.cdiv(n, block_n), n_chunks, batch)
+    common = dict(BLOCK_T=block_t, BLOCK_N=block_n, ACC=tl_dtype(acc), REVERSE=bool(reverse))
+    a_args = (length, n, sa.inner, chunk, sa.batch, sa.time, sa.outer_stride, sa.inner_stride)
+    if n_chunks == 1:
+        carry = h0_2 if h0_2 is not None else u3
+        _scan_chunk_kernel[grid](
+            sa.tensor, u3, carry, o3, o3, o3, *a_args, u3.stride(0), u3.stride(1), n, 0,
+            o3.stride(0), o3.stride(1), 0, 0, HAS_CARRY=h0_2 is not None, SUMMARY=False, **common,
+        )
+        return out
+    sum_h = torch.empty((batch, n_chunks, n), dtype=acc, device=u.device)
+    sum_p = torch.empty_like(sum_h)
+    _scan_chunk_kernel[grid](
+        sa.tensor, u3, u3, o3, sum_h, sum_p, *a_args, u3.stride(0), u3.stride(1), 0, 0,
+        o3.stride(0), o3.stride(1), sum_h.stride(0), sum_h.stride(1),
+        HAS_CARRY=False, SUMMARY=True, **common,
+    )
+    ends = scan_triton(sum_p, sum_h, h0_2, reverse=reverse, out_dtype=acc)
+    edge = torch.zeros_like(ends[:, :1]) if h0_2 is None else h0_2.to(acc).unsqueeze(1)
+    carries = torch.cat([ends[:, 1:], edge], 1) if reverse else torch.cat([edge, ends[:, :-1]], 1)
+    carries = carries.contiguous()
+    _scan_chunk_kernel[grid](
+        sa.tensor, u3, carries, o3, o3, o3, *a_args, u3.stride(0), u3.stride(1),
+        carries.stride(0), carries.stride(1), o3.stride(0), o3.stride(1), 0, 0,
+        HAS_CARRY=True, SUMMARY=False, **common,
+    )
+    return out

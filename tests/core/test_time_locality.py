@@ -1,0 +1,126 @@
+"""Unit tests of the time-locality analysis on graphs with the time axis moving around."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradshard.analysis.locality import NoTimeAxisError, analyze_time_locality
+from gradshard.capture import capture
+
+from .models import (CausalConv, CausalSelfAttention, CumsumMixer, LoopRNN, NoTime, SDPABlock,
+                     TimeFirst)
+
+INF = math.inf
+
+
+def _analyze(model, x, **kw):
+    cap = capture(model, (x,))
+    return cap, analyze_time_locality(cap.gm, **kw)
+
+
+def _out(cap):
+    return next(iter(cap.gm.graph.find_nodes(op="output"))).args[0][0]
+
+
+@pytest.mark.parametrize("mask", ["add", "masked_fill", "where"])
+def test_explicit_causal_attention_reads_all_past(mask):
+    cap, tl = _analyze(CausalSelfAttention(mask=mask), torch.randn(2, 7, 8))
+    out = tl[_out(cap)]
+    assert out.time_dims == (1,)
+    assert out.reach.lo == -INF and out.reach.hi == 0
+    scores = [n for n, i in tl.info.items() if len(i.time_dims) == 2]
+    assert scores, "the T x T score matrix has two time dims"
+    assert any(tl.info[n].causal_mask for n in scores)
+
+
+def test_unmasked_attention_is_global():
+    cap, tl = _analyze(CausalSelfAttention(mask="none"), torch.randn(2, 7, 8))
+    assert tl[_out(cap)].reach.hi == INF
+
+
+@pytest.mark.parametrize("causal, hi", [(True, 0), (False, INF)])
+def test_sdpa_block(causal, hi):
+    cap, tl = _analyze(SDPABlock(causal=causal), torch.randn(3, 5, 8))
+    assert tl[_out(cap)].time_dims == (1,)
+    assert tl[_out(cap)].reach.hi == hi
+    # the head reshape moves time to dim 2 inside attention
+    sdpa = [n for n in cap.gm.graph.nodes if "scaled_dot_product" in str(n.target)][0]
+    assert tl[sdpa].time_dims == (2,)
+
+
+def test_causal_conv1d_is_a_window_with_time_on_last_dim():
+    cap, tl = _analyze(nn_seq(CausalConv(k=4), CumsumMixer()), torch.randn(2, 9, 8))
+    conv = [n for n in cap.gm.graph.nodes if "conv1d" in str(n.target)][0]
+    assert tl[conv].time_dims == (2,)  # (B, D, T) after the transpose
+    assert tl[conv].local.lo == -3 and tl[conv].local.hi == 0
+    sl = conv.next  # the [..., :T] slice keeps the window causal
+    assert tl[sl].reach.lo == -3 and tl[sl].reach.hi == 0
+
+
+def test_cumsum_with_time_axis_first_and_einsum():
+    cap, tl = _analyze(TimeFirst(), torch.randn(6, 2, 8))
+    assert tl.time_inputs == {next(iter(cap.gm.graph.find_nodes(op="placeholder"))).name: 0} or \
+        list(tl.time_inputs.values()) == [0]
+    cs = [n for n in cap.gm.graph.nodes if "cumsum" in str(n.target)][0]
+    assert tl[cs].time_dims == (2,)
+    out = tl[_out(cap)]
+    assert out.time_dims == (0,) and out.reach.lo == -INF and out.reach.hi == 0
+
+
+def test_unrolled_loop_steps_and_stack():
+    cap, tl = _analyze(LoopRNN(), torch.randn(2, 5, 8))
+    selects = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.select.int]
+    assert [tl[s].abs_range[1] for s in selects] == sorted(tl[s].abs_range[1] for s in selects)
+    assert all(tl[s].time_dims == () for s in selects)
+    stack = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.stack.default][0]
+    assert tl[stack].time_dims == (1,)
+    assert tl[stack].reach.lo == -INF and tl[stack].reach.hi == 0
+    assert any("loop" in e for es in tl.evidence.values() for e in es)
+
+
+def test_pointwise_model_parts_are_pointwise():
+    cap, tl = _analyze(SDPABlock(), torch.randn(2, 5, 8))
+    lin = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.linear.default][0]
+    assert tl[lin].reach.is_pointwise
+    norm = [n for n in cap.gm.graph.nodes if "layer_norm" in str(n.target)][0]
+    assert tl[norm].reach.is_pointwise  # normalises over features, not time
+
+
+def test_reshape_merging_batch_and_time_keeps_time():
+    class Merge(torch.nn.Module):
+        def forward(self, x):
+            B, T, D = x.shape
+            y = x.reshape(B * T, D).relu().reshape(B, T, D)
+            return y.cumsum(1)
+
+    cap, tl = _analyze(Merge(), torch.randn(2, 5, 8))
+    relu = [n for n in cap.gm.graph.nodes if "relu" in str(n.target)][0]
+    assert tl[relu].time_dims == (0,)  # merged (B*T) dim carries time
+    assert tl[_out(cap)].time_dims == (1,)
+
+
+def test_mean_over_time_is_global():
+    class Pool(torch.nn.Module):
+        def forward(self, x):
+            return x.cumsum(1).mean(dim=1)
+
+    cap, tl = _analyze(Pool(), torch.randn(2, 5, 8))
+    assert tl[_out(cap)].reach.hi == INF and tl[_out(cap)].time_dims == ()
+
+
+def test_no_time_axis_is_a_clear_error():
+    with pytest.raises(NoTimeAxisError, match="time_axis="):
+        _analyze(NoTime(), torch.randn(4, 8))
+
+
+def test_time_axis_hint():
+    cap, tl = _analyze(NoTime(), torch.randn(4, 6, 8), time_axis=(0, 1))
+    assert tl[_out(cap)].time_dims == (1,)
+    assert tl[_out(cap)].reach.is_pointwise
+
+
+def nn_seq(*mods):
+    return torch.nn.Sequential(*mods)
