@@ -20,13 +20,16 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # measure/cost/distributed import heavier dependencies; load them on first use.
+    # Importing the submodule binds the *module* to this attribute; rebind the function.
     if name == "measure":
         from .measure import measure
 
+        globals()["measure"] = measure
         return measure
     if name == "cost":
         from .cost import cost
 
+        globals()["cost"] = cost
         return cost
     if name == "distributed":
         import importlib

@@ -31,9 +31,13 @@ What is counted (all byte counts are of tensor *storages*, i.e. ``untyped_storag
 - ``seconds``: median wall time of ``repeat`` uninstrumented calls (``torch.cuda.synchronize``
   around each on CUDA). Memory and FLOPs come from one separate instrumented call.
 
-Limits: allocations that bypass the dispatcher (Inductor-compiled kernels, ``torch.from_numpy``)
-and scratch memory inside a single kernel are invisible to the tracker; sparse tensors and tensor
-subclasses without a storage are skipped.
+``torch.compile``'d code runs eagerly during the instrumented call (so its ops are visible and
+Dynamo's caches are left alone); the timed calls run it compiled. Memory and FLOPs therefore
+describe the eager computation.
+
+Limits: allocations that bypass the dispatcher (``torch.from_numpy``, custom C++ code) and scratch
+memory inside a single kernel are invisible to the tracker; sparse tensors and tensor subclasses
+without a storage are skipped.
 """
 
 from __future__ import annotations
@@ -205,6 +209,11 @@ class LiveTensorTracker(TorchDispatchMode):
 
     ``device``: count only storages on this device (``None``: all devices except ``meta``).
     ``timeline``: record a :class:`LiveSample` after every op (costs a list append per op).
+    ``force_eager``: run ``torch.compile``'d code eagerly while active
+    (``torch.compiler.set_stance("force_eager")``). Compiled kernels allocate outside the
+    dispatcher, so the tracker could not see them; and Dynamo, meeting a frame for the first
+    time under a dispatch mode, marks it "skip" for good, which would de-optimize the caller's
+    compiled function after the measurement. Compiled code runs compiled again after exit.
 
     Usage::
 
@@ -215,8 +224,16 @@ class LiveTensorTracker(TorchDispatchMode):
     Counters stay readable after exit; frees after exit are no longer observed.
     """
 
-    def __init__(self, *, device: torch.device | str | None = None, timeline: bool = False):
+    def __init__(
+        self,
+        *,
+        device: torch.device | str | None = None,
+        timeline: bool = False,
+        force_eager: bool = True,
+    ):
         super().__init__()
+        self._force_eager = force_eager
+        self._stance: Any = None
         self._device = None if device is None else torch.device(device)
         self._record_timeline = timeline
         self._lock = threading.RLock()
@@ -243,14 +260,27 @@ class LiveTensorTracker(TorchDispatchMode):
                 "create a new LiveTensorTracker for each measured region."
             )
         self._entered = True
+        if self._force_eager:
+            # Constructing set_stance switches the stance at once; its __exit__ restores it.
+            self._stance = torch.compiler.set_stance("force_eager")
+        try:
+            super().__enter__()
+        except BaseException:
+            self._restore_stance()
+            raise
         self._active = True
-        super().__enter__()
         return self
+
+    def _restore_stance(self) -> None:
+        if self._stance is not None:
+            stance, self._stance = self._stance, None
+            stance.__exit__(None, None, None)
 
     def __exit__(self, exc_type, exc, tb):
         try:
             return super().__exit__(exc_type, exc, tb)
         finally:
+            self._restore_stance()
             with self._lock:
                 self._active = False
                 # Dropping the weakrefs cancels their callbacks: frees after exit are ignored.

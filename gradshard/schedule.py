@@ -63,9 +63,22 @@ class Program:
         return "\n".join(lines)
 
 
+def block_key(node: fx.Node) -> str | None:
+    """The repeated block a node belongs to: the first module path ending in an index
+    (``layers.0``), else the top-level child module; ``None`` when unknown."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [str(v[0]) if isinstance(v, tuple) else str(k) for k, v in stack.items()]
+    for p in paths:
+        if p.split(".")[-1].isdigit():
+            return p
+    inner = [p for p in paths if p and "." not in p and p != paths[0]]
+    return inner[0] if inner else (paths[0] if paths else None)
+
+
 def _segments(gm: fx.GraphModule) -> Iterable[tuple[str, list[fx.Node]]]:
-    """Split the graph into runs of plain nodes and single staged region-module nodes."""
+    """Split the graph into runs of plain nodes (one per model block) and staged region nodes."""
     run: list[fx.Node] = []
+    key: str | None = None
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -75,8 +88,13 @@ def _segments(gm: fx.GraphModule) -> Iterable[tuple[str, list[fx.Node]]]:
                 yield "plain", run
                 run = []
             yield "region", [node]
-        else:
-            run.append(node)
+            continue
+        k = block_key(node)
+        if run and k is not None and key is not None and k != key:
+            yield "plain", run
+            run = []
+        key = k if k is not None else key
+        run.append(node)
     if run:
         yield "plain", run
 
@@ -118,7 +136,8 @@ def build_program(gm: fx.GraphModule) -> Program:
                         dag.add_edge(bs.name, db.name)
             continue
         costs = [node_cost(n) for n in nodes]
-        name = f"segment_{seg_id}"
+        block = next((k for k in map(block_key, nodes) if k), None)
+        name = f"{block or 'segment'}#{seg_id}"
         seg_id += 1
         saved = sum(c.out_bytes for c in costs)
         fs = Stage(name=name, kind="forward", phase="forward", nodes=tuple(n.name for n in nodes),

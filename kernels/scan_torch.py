@@ -91,7 +91,7 @@ def scan_torch(
     at = lambda x, t: x[:, 0] if x.shape[1] == 1 else x[:, t]  # noqa: E731
     if n > 0:
         av, uv = _time_view(a, main, n, chunk), _time_view(u, main, n, chunk)
-        ov = _time_view(out, main, n, chunk)
+        ov = out[:, main:main + n * chunk].view(batch, n, chunk, *state)  # a view: writes land in out
         steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
         if n == 1:
             starts = h.unsqueeze(1)

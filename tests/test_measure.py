@@ -482,3 +482,27 @@ def test_cuda_peak_survives_nested_reset(monkeypatch: pytest.MonkeyPatch) -> Non
     assert outer.peak_bytes == 50
     assert _CudaPeak._stack == []
     assert describe_device("cpu").startswith("cpu (")
+
+
+def test_compiled_step_runs_eagerly_when_measured_and_compiled_afterwards() -> None:
+    graph_calls: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        def run(*args: object) -> object:
+            graph_calls.append(1)
+            return gm(*args)
+
+        return run
+
+    loss_fn = torch.compile(lambda x: x.exp().sum(), backend=counting_backend)
+    x = torch.randn(N, requires_grad=True)
+    loss_fn(x).backward()  # compile outside the measurement
+    x.grad = None
+    assert len(graph_calls) == 1
+    m = measure(step(loss_fn), x, repeat=2)
+    # The instrumented call ran eagerly (same numbers as the eager exp step) ...
+    assert m.peak_bytes == 8 * N + 8 and m.saved_bytes == 4 * N
+    # ... and the two timed calls ran the compiled graph, as does a later call.
+    assert len(graph_calls) == 3
+    loss_fn(x)
+    assert len(graph_calls) == 4

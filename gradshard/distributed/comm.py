@@ -210,7 +210,10 @@ class Communicator:
         if "closed" in text.lower() or "reset" in text.lower():
             why = "the connection was closed: the peer most likely crashed or raised"
         elif "timed out" in text.lower() or "timeout" in text.lower():
-            why = "nothing arrived: the peer is dead, stuck, or slower than the timeout"
+            why = (
+                "the peer did not take part in time: it is dead, stuck, or slower than the "
+                f"timeout of {self.resolve_timeout():g} s (the group's own timeout may be shorter)"
+            )
         else:
             why = f"the backend reported: {text.splitlines()[0] if text else type(exc).__name__}"
         if waited_s is None:
@@ -218,8 +221,7 @@ class Communicator:
         else:
             head = f"rank {self.rank} waited {waited_s:.1f} s {what} and gave up"
         return CommTimeoutError(
-            f"{head} ({why}; timeout "
-            f"{self.resolve_timeout():g} s, the group's own timeout may be shorter). Check the "
+            f"{head} ({why}). Check the "
             f"other ranks' logs for the first error; if the peer is only slow, raise the timeout "
             f"(Communicator(group, timeout_s=...), set_default_timeout or GRADSHARD_COMM_TIMEOUT_S)."
         )

@@ -114,8 +114,9 @@ def trained_masks(
     """This rank's trained entries of every full parameter, as boolean masks.
 
     A mask broadcasts against its parameter: a parameter sliced along one dim gets shape
-    ``[1, .., size(dim), .., 1]``; an unsliced one ``[1] * ndim`` (all or nothing, by
-    ``requires_grad``). A slice counts as trained when its slice parameter requires grad.
+    ``[1, .., size(dim), .., 1]``; an unsliced one ``[1] * ndim`` (all or nothing, by the
+    ``requires_grad`` of the live tensor that ``full_parameters()`` returns for it). A slice
+    counts as trained when its slice parameter requires grad.
     """
     view = view or _view_of(module)
     full = full if full is not None else view.full_parameters()
@@ -142,13 +143,8 @@ def trained_masks(
             for d, lo, hi, trained in ranges[name]:
                 if trained:
                     mask.narrow(d, lo, hi - lo).fill_(True)
-        elif name in params:
-            mask = torch.full([1] * value.dim(), params[name].requires_grad, device=value.device)
         else:
-            raise DiLoCoError(
-                f"cannot tell whether `{name}` is trained: it is neither a parameter of the "
-                f"module nor the original of a slice in parameter_slices()"
-            )
+            mask = torch.full([1] * value.dim(), value.requires_grad, device=value.device)
         masks[name] = mask
     return masks
 

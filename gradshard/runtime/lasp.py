@@ -7,7 +7,7 @@ rank ``r`` computes with ``S`` the state after rank ``r-1``'s last token::
 
     kv_t = P_t S + kvloc_t                P_t = a_0 a_1 ... a_t   (this rank's gates only)
     o_t  = oloc_t + P_t (q_t S)           oloc, kvloc: the lightning kernel from a zero state
-    F    = Floc + P_{T-1} S               F: the state sent on to rank r+1
+    F    = Floc + G S                     F: the state sent on to rank r+1, G = P_{T-1}
 
 so the expensive local part (the kernel) runs on every rank at once, before ``S`` arrives,
 and only the O(B·H·dk·dv) update ``F = Floc + G S`` sits on the rank-to-rank critical path.
@@ -25,8 +25,10 @@ tensors are kept for backward; nothing is recomputed and nothing is re-sent.
 
 Ordering contract: every rank calls ``lasp_attention`` for the same layers with the same
 ``layer_id`` s and runs backward through all of them (the dKV chain needs every rank).
-Messages are matched by ``(peer, tag)`` with ``tag = 2 * layer_id + phase``; a layer id used
-twice in one step is matched in call order.
+Messages are matched by ``(peer, tag)`` with ``tag = 2 * layer_id + phase`` (other traffic
+on the same group must avoid these tags); a layer id used twice in one step is matched in
+call order. Parameter gradients after backward are per-rank partial sums: reduce them with
+:func:`gradshard.distributed.reduce.reduce_gradients` (loss convention documented there).
 """
 
 from __future__ import annotations
@@ -164,30 +166,17 @@ def _decay_products(
     return prefix, suffix
 
 
-def _shares_storage(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    ptr = x.untyped_storage().data_ptr()
-    return any(o.untyped_storage().data_ptr() == ptr for o in others)
-
-
 def _add_row_scaled_matmul(
-    out: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: torch.Tensor | None,
-    inplace: bool = False,
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None
 ) -> torch.Tensor:
     """``out + scale[..., None] * (a @ b)`` for ``a`` (B, H, T, m), ``b`` (B, H, m, n).
 
-    The product runs in ``b``'s (state) dtype. With ``inplace`` (and a contiguous ``out`` of
-    that dtype) ``out`` is updated by one batched ``baddbmm_`` without a (T, n) temporary.
+    The product runs in ``b``'s (state) dtype; the result has ``out``'s dtype. Out of place:
+    ``out`` may be a kernel output or an autograd gradient that others still reference.
     """
     a = a.detach().to(b.dtype)
     if scale is not None:
         a = a * scale[..., None]
-    if inplace and out.dtype == b.dtype and out.is_contiguous():
-        n_b, h, t, m = a.shape
-        out.view(n_b * h, t, -1).baddbmm_(a.reshape(n_b * h, t, m), b.reshape(n_b * h, m, -1))
-        return out
     return (out + torch.matmul(a, b)).to(out.dtype)
 
 
@@ -239,6 +228,11 @@ class _LaspAttention(torch.autograd.Function):
                                         requires_grad=True)
             o_loc, f_loc = kernel(leaves[0], leaves[1], leaves[2], leaves[3],
                                   initial_state=leaves[4], **kwargs)
+        if need_grad and not o_loc.requires_grad:
+            raise RuntimeError(
+                f"lasp_attention(layer_id={layer_id}): the kernel {getattr(kernel, '__name__', kernel)!r} "
+                f"returned an output without an autograd graph; LASP needs a differentiable kernel"
+            )
         prods = _decay_products(decay, t, sdtype)
 
         # 3. The incoming state: from rank-1, or the given initial state on rank 0.
@@ -264,8 +258,7 @@ class _LaspAttention(torch.autograd.Function):
         # 5. The incoming state's contribution to the output, while the send is in flight.
         o = o_loc.detach()
         if s_in is not None:
-            o = _add_row_scaled_matmul(o, q.detach(), s_in, prods[0] if prods is not None else None,
-                                       inplace=not _shares_storage(o, q, k, v))
+            o = _add_row_scaled_matmul(o, q, s_in, prods[0] if prods is not None else None)
 
         ctx.comm, ctx.layer_id = comm, layer_id
         ctx.has_decay, ctx.const_decay = decay is not None, decay is not None and decay.dim() == 1

@@ -325,6 +325,11 @@ class SlicedLinear(nn.Module):
     and stays an ordinary trainable ``bias`` Parameter (like norms and embeddings in the
     paper, it is trained on every rank). ``weight_name``/``bias_name`` are the original
     qualified names of the full tensors (reported by :func:`parameter_slices`).
+
+    ``share_storage=True`` makes every slice a *view* of ``weight``/``bias`` instead of a
+    copy: no extra memory, and the original full tensors always hold the current values
+    (optimizer steps on the trainable slice write through). Moving the layer or the
+    original to another device breaks the sharing: place the model first, then slice.
     """
 
     def __init__(
@@ -335,6 +340,7 @@ class SlicedLinear(nn.Module):
         *,
         weight_name: str = "weight",
         bias_name: str = "bias",
+        share_storage: bool = False,
     ) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.shape[layout.dim] != layout.size:
@@ -349,7 +355,8 @@ class SlicedLinear(nn.Module):
         k = layout.index
         for n in range(layout.num_slices):
             lo, hi = layout.span(n)
-            piece = w.narrow(layout.dim, lo, hi - lo).clone()
+            piece = w.narrow(layout.dim, lo, hi - lo)
+            piece = piece if share_storage else piece.clone()
             if n == k:
                 self.weight_slice = nn.Parameter(piece, requires_grad=weight.requires_grad)
             else:
@@ -361,17 +368,17 @@ class SlicedLinear(nn.Module):
             if layout.dim == 0:
                 for n in range(layout.num_slices):
                     lo, hi = layout.span(n)
-                    piece = b[lo:hi].clone()
+                    piece = b[lo:hi] if share_storage else b[lo:hi].clone()
                     if n == k:
                         self.bias_slice = nn.Parameter(piece, requires_grad=bias.requires_grad)
                     else:
                         self.register_buffer(f"frozen_bias_{n}", piece)
             else:
-                self.bias = nn.Parameter(b.clone(), requires_grad=bias.requires_grad)
+                self.bias = nn.Parameter(b if share_storage else b.clone(), requires_grad=bias.requires_grad)
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, layout: SliceLayout, *, name: str = ""
+        cls, linear: nn.Linear, layout: SliceLayout, *, name: str = "", share_storage: bool = False
     ) -> "SlicedLinear":
         """Slice an existing ``nn.Linear`` (``name``: its qualified name in the model)."""
         prefix = f"{name}." if name else ""
@@ -381,6 +388,7 @@ class SlicedLinear(nn.Module):
             layout,
             weight_name=f"{prefix}weight",
             bias_name=f"{prefix}bias",
+            share_storage=share_storage,
         )
 
     def weight_pieces(self) -> tuple[Tensor, ...]:
@@ -545,8 +553,11 @@ def parameter_slices(module: nn.Module) -> dict[str, tuple[str, tuple[int, int, 
 def full_parameters(module: nn.Module, names: Iterable[str] | None = None) -> dict[str, Tensor]:
     """Full parameter values under their original names (sliced weights reassembled).
 
-    Ordinary parameters are returned as detached views (not copies); sliced weights and
-    biases as new tensors. ``names`` restricts the result (default: all, in module order).
+    Tensors that are not split (ordinary parameters, the unsplit bias of an input-split
+    layer) are returned as the live ``Parameter`` objects, so ``requires_grad`` tells
+    whether they are trained; split weights and biases as new tensors (no grad).
+    ``names`` restricts the result (default: all, in module order). Do not modify the
+    returned tensors; write with :func:`load_full_parameters`.
     """
     want = None if names is None else set(names)
     params = dict(module.named_parameters())
@@ -555,9 +566,13 @@ def full_parameters(module: nn.Module, names: Iterable[str] | None = None) -> di
         if want is not None and orig not in want:
             continue
         if layer is None:
-            out[orig] = params[what].detach()
+            out[orig] = params[what]
+        elif what == "weight":
+            out[orig] = layer.full_weight()
+        elif layer.layout.dim == 1:
+            out[orig] = layer.bias  # not split: the live parameter, trained on every rank
         else:
-            out[orig] = layer.full_weight() if what == "weight" else layer.full_bias()
+            out[orig] = layer.full_bias()
     if want is not None and want - set(out):
         raise PartialUpdateError(
             f"full_parameters: unknown parameter name(s) {sorted(want - set(out))}"
@@ -604,7 +619,7 @@ def materialized_state_dict(module: nn.Module) -> dict[str, Tensor]:
             continue  # a slice or frozen buffer of a SlicedLinear: replaced by the full tensor
         out[name] = value
     for name, value in full.items():
-        out[name] = value
+        out[name] = value.detach()
     return out
 
 

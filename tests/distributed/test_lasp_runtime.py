@@ -128,13 +128,15 @@ def _reference(model: nn.Module, x: torch.Tensor, target: torch.Tensor):
 
 
 def _lasp_rank(rank: int, group: Any, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-               kernel: Callable, reduce: bool = True, comm: Communicator | None = None):
+               kernel: Callable, reduce: bool = True, comm: Communicator | None = None,
+               n_global: int | None = None):
     model = copy.deepcopy(model)
     world = group.size()
     xl = local_slice(x, rank, world, dim=1).clone().requires_grad_()
     tl = local_slice(target, rank, world, dim=1)
     # mean over ALL tokens: divide this rank's sum by the global token count
-    n_global = global_token_count(tl.shape[0] * tl.shape[1], group, comm=comm)
+    if n_global is None:
+        n_global = global_token_count(tl.shape[0] * tl.shape[1], group, comm=comm)
     attn = lambda i: lambda q, k, v, d: lasp_attention(  # noqa: E731
         q, k, v, d, group=group, layer_id=i, chunk_size=CHUNK, kernel=kernel, comm=comm
     )
@@ -262,7 +264,9 @@ def test_bytes_per_layer_are_one_state_and_independent_of_T():
     assert seen[7] == seen[20]
 
 
-def _failing_rank(rank, group, model, x, target, fail_rank, timeout_s):
+def _failing_rank(rank, group, model, x, target, fail_rank, timeout_s, dead=False):
+    if dead and rank == fail_rank:
+        return None, 0.0  # the rank disappears: its group is destroyed, its sockets close
     comm = Communicator(group, timeout_s=timeout_s)
     calls = []
 
@@ -274,7 +278,8 @@ def _failing_rank(rank, group, model, x, target, fail_rank, timeout_s):
 
     t0 = time.monotonic()
     try:
-        _lasp_rank(rank, group, model, x, target, kernel, comm=comm)
+        _lasp_rank(rank, group, model, x, target, kernel, comm=comm,
+                   n_global=x.shape[0] * x.shape[1])
     except Exception as exc:  # noqa: BLE001 - returned to the test
         return exc, time.monotonic() - t0
     return None, time.monotonic() - t0
@@ -341,3 +346,16 @@ def test_comm_helpers_count_and_check():
     assert s0[("probe", "send")].bytes == 20 and ("probe", "recv") not in s0
     assert s1[("probe", "recv")].bytes == 20 and s1[("sum", "allreduce")].messages == 1
     assert c0 == c1 == 21 and m0.item() == m1.item() == 1.0
+
+
+def test_dead_peer_fails_fast_with_comm_timeout():
+    timeout_s, world, dead_rank = 3.0, 3, 1
+    model, x, target = _problem("const", 1)
+    results = run_threaded(world, _failing_rank, model, x, target, dead_rank, timeout_s, True,
+                           timeout_s=30.0)
+    for rank, (exc, elapsed) in enumerate(results):
+        if rank == dead_rank:
+            continue
+        assert isinstance(exc, CommTimeoutError), f"rank {rank}: {exc!r}"
+        assert elapsed < timeout_s + 5, f"rank {rank} took {elapsed:.1f} s"
+        assert f"rank {rank} " in str(exc) and "rank 1" in str(exc), str(exc)
