@@ -9,6 +9,11 @@ outer Nesterov step (:class:`gradshard.distributed.diloco.PartialDiLoCo`)::
     torchrun --nproc-per-node 4 examples/train_partial.py --steps 200 --sync-every 20
     torchrun --nproc-per-node 2 examples/train_partial.py --fragments 2      # streaming
     python examples/train_partial.py --steps 50                             # one process
+    torchrun --nproc-per-node 2 examples/train_partial.py --compile         # via gs.compile
+
+Without ``--compile`` the projections are sliced eagerly by module name
+(:func:`gradshard.runtime.partial.slice_linears`); with it, ``gs.compile(model,
+plan="partial_update")`` finds them in the captured graph by structure.
 
 gloo on CPU, nccl when CUDA is available (one GPU per local rank). ``--ckpt DIR`` saves
 every rank's whole state after each sync; ``--resume`` continues bit-for-bit from it.
@@ -63,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt", default="", help="directory for per-rank checkpoints (saved at syncs)")
     p.add_argument("--resume", action="store_true", help="resume from --ckpt")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a collective gives up")
+    p.add_argument("--compile", action="store_true", help="slice via gs.compile(plan='partial_update')")
     return p.parse_args(argv)
 
 
@@ -115,11 +121,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)  # identical replicas on every rank (checked by PartialDiLoCo)
     cfg = LlamaConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, n_kv_heads=2,
                       intermediate_size=(8 * args.d_model) // 3)
-    model = LlamaLM(cfg)
+    model = LlamaLM(cfg).to(device)
     full_numel = sum(p.numel() for p in model.parameters())
-    slice_linears(model, layouts_for(cfg, num_slices, rank % num_slices, targets))
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    corpus = load_corpus(max_bytes=2_000_000)
+    if args.compile:
+        import gradshard as gs
+
+        model = gs.compile(model, plan="partial_update", num_slices=num_slices,
+                           slice_index=rank % num_slices, targets=tuple(sorted(targets)))
+        with torch.no_grad():  # gradshard captures at the first call; the slices exist after it
+            model(next(iterate_batches(corpus.train, args.batch, args.seq_len, device=device))[0])
+    else:
+        slice_linears(model, layouts_for(cfg, num_slices, rank % num_slices, targets))
+    # the full weights of sliced layers get no gradient: only slices and unsliced parameters train
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
     outer = PartialDiLoCo(
         model, opt, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
         sync_every=args.sync_every, fragments=args.fragments, timeout_s=args.timeout,
@@ -130,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--resume needs --ckpt DIR")
         outer.load(ckpt)
 
-    corpus = load_corpus(max_bytes=2_000_000)
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = sum(
+        outer.masks[n].expand_as(v).sum().item() for n, v in outer.global_parameters.items()
+    )
     if rank == 0:
         print(f"world {world} ({device}), {num_slices} slice(s) of {sorted(targets)}; "
               f"trainable {trained:,} of {full_numel:,} parameters per rank "

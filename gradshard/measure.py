@@ -25,9 +25,11 @@ What is counted (all byte counts are of tensor *storages*, i.e. ``untyped_storag
   whole storage, because it keeps the whole storage alive. Only saves made outside the autograd
   engine count -- what the forward leaves for the backward; tensors saved while the engine runs
   (recomputation inside backward, ``create_graph``) show up in the peak instead.
-- ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` over the whole step. ``backward_flops``
-  are those of ops run by the autograd engine (including recomputation such as activation
-  checkpointing, which happens during backward); ``forward_flops`` are the rest.
+- ``flops``: the whole step, counted with ``torch.utils.flop_counter``'s formulas exactly as
+  ``FlopCounterMode`` counts them (matmuls, convolutions, attention; pointwise ops are free),
+  but inside the tracker's dispatch mode so the step pays for one mode, not two.
+  ``backward_flops`` are those of ops run by the autograd engine (including recomputation such
+  as activation checkpointing, which happens during backward); ``forward_flops`` are the rest.
 - ``seconds``: median wall time of ``repeat`` uninstrumented calls (``torch.cuda.synchronize``
   around each on CUDA). Memory and FLOPs come from one separate instrumented call.
 
@@ -36,12 +38,14 @@ Dynamo's caches are left alone); the timed calls run it compiled. Memory and FLO
 describe the eager computation.
 
 Limits: allocations that bypass the dispatcher (``torch.from_numpy``, custom C++ code) and scratch
-memory inside a single kernel are invisible to the tracker; sparse tensors and tensor subclasses
-without a storage are skipped.
+memory inside a single kernel are invisible to the tracker; higher-order ops (``torch.cond``,
+scans) run below it, so only their outputs are seen; sparse tensors and tensor subclasses without
+a storage are skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -56,7 +60,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = [
     "LiveSample",
@@ -368,11 +374,38 @@ class LiveTensorTracker(TorchDispatchMode):
 
     # ----- dispatch ----------------------------------------------------------------------
 
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        # torch wraps every __torch_dispatch__ in a Dynamo-disabling shim; subclasses extend
+        # _dispatch instead, so one op pays for one shim.
+        return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(func, HigherOrderOperator):
+            out = self._run_higher_order(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self._active:
             self._observe(func, out, args, kwargs)
         return out
+
+    def _run_higher_order(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
+        """Run a higher-order op (``torch.cond``, scans, ...) below this mode.
+
+        The mode is popped while its ``__torch_dispatch__`` runs, so the op executes normally;
+        its outputs are observed, the temporaries inside it are not. (Dense implementations of
+        these ops assert that no mode is active, so they cannot be re-entered with the mode on.)
+        """
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _reentered(self) -> Iterator[None]:
+        TorchDispatchMode.__enter__(self)
+        try:
+            yield
+        finally:
+            TorchDispatchMode.__exit__(self, None, None, None)
 
     def _observe(self, func: Any, out: Any, args: tuple, kwargs: dict | None) -> None:
         phase = "forward" if _graph_task_id() == -1 else "backward"
@@ -425,8 +458,13 @@ class LiveTensorTracker(TorchDispatchMode):
         del storages
 
     def _counts(self, t: torch.Tensor) -> bool:
-        if self._device is None:
+        device = self._device
+        if device is None:
             return not t.is_meta
+        if device.type == "cpu":
+            return t.is_cpu
+        if device.type == "cuda":
+            return t.is_cuda and (device.index is None or t.get_device() == device.index)
         return self.counts_device(t.device)
 
     def _add_live(self, nbytes: int, func: Any, phase: str) -> None:
@@ -465,7 +503,7 @@ class _SavedRecorder:
 
     def add(self, t: torch.Tensor) -> None:
         st = _storage_of(t)
-        if st is None or not self._tracker.counts_device(st.device):
+        if st is None or not self._tracker._counts(t):
             return
         key = st._cdata
         if key in self._seen:
@@ -490,6 +528,7 @@ class _SavedRecorder:
 
 
 _saved_state = threading.local()
+_PYTHON_KEY = torch._C.DispatchKeySet(DispatchKey.Python)
 
 
 def _saved_stack() -> list[_SavedRecorder]:
@@ -506,7 +545,10 @@ def _pack_saved(t: torch.Tensor) -> torch.Tensor:
     if _graph_task_id() == -1:  # saves made inside backward (recomputation) are transient
         for recorder in _saved_stack():
             recorder.add(t)
-    return t.detach()
+    if type(t) is torch.Tensor:
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEY):  # not an op of the step
+            return t.detach()
+    return t.detach()  # subclasses need their own dispatch
 
 
 def _unpack_saved(t: torch.Tensor) -> torch.Tensor:
@@ -544,21 +586,132 @@ class _RecordSaved:
 # --------------------------------------------------------------------------------------------
 
 
-class _PhaseFlopCounter(FlopCounterMode):
-    """``FlopCounterMode`` that also sums the FLOPs of ops run by the autograd engine."""
+def _triton_kernel_of(func: HigherOrderOperator, kwargs: dict) -> Any:
+    """The Triton ``JITFunction`` launched by a ``triton_kernel_wrapper_*`` op (else None).
 
-    def __init__(self) -> None:
-        super().__init__(display=False)
+    Same lookup as ``FlopCounterMode``: flop formulas for Triton kernels are registered on it.
+    """
+    if not func.name().startswith("triton_kernel_wrapper"):
+        return None
+    from torch._higher_order_ops.triton_kernel_wrap import get_kernel
+    from triton.runtime.jit import JITFunction
+
+    kernel = get_kernel(kwargs["kernel_idx"])
+    while not isinstance(kernel, JITFunction) and hasattr(kernel, "fn"):  # autotune, heuristics
+        kernel = kernel.fn
+    return kernel
+
+
+def _shapes(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by its shape (what ``shape_wrapper`` passes on)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.shape
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_shapes(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _shapes(v) for k, v in obj.items()}
+    return obj
+
+
+def _apply_flop_formula(formula: Callable[..., int], args: tuple, kwargs: dict, out: Any) -> int:
+    """``formula(*args, **kwargs, out_val=out)``, skipping ``shape_wrapper``'s slow tree_map.
+
+    Registry entries are ``shape_wrapper(f)`` (``functools.wraps``: ``__wrapped__`` is ``f``),
+    which calls ``f`` on shapes with ``out_shape=``; raw formulas take the tensors.
+    """
+    inner = getattr(formula, "__wrapped__", None)
+    if inner is None:
+        return formula(*args, **kwargs, out_val=out)
+    return inner(*_shapes(args), out_shape=_shapes(out), **_shapes(kwargs))
+
+
+def _has_composite_implicit(func: Any) -> bool:
+    key = DispatchKey.CompositeImplicitAutograd
+    return key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), key
+    )
+
+
+_DECOMPOSES: dict[Any, bool] = {}
+
+
+def _cpu_flash_attention_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_attention_backward_flop(
+    grad_out, query, key, value, *args, out_val=None, **kwargs
+) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# Formulas torch's registry lacks (checked after it): the fused CPU attention kernels, counted
+# with torch's formulas for the GPU ones (two matmuls forward; backward five, as flash kernels
+# recompute the scores).
+_EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flop,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        _cpu_flash_attention_backward_flop
+    ),
+}
+
+
+class _StepInstrument(LiveTensorTracker):
+    """The tracker plus FLOP counting, in one dispatch mode (one mode costs half of two).
+
+    FLOPs use ``torch.utils.flop_counter``'s formula registry exactly as ``FlopCounterMode``
+    does: an op whose overload packet has a formula is counted with it; an op without one that
+    has a ``CompositeImplicitAutograd`` decomposition is decomposed and its parts counted; a
+    higher-order op with a formula (flex_attention, Triton kernels registered with
+    ``register_flop_formula``) is counted by it. Other higher-order ops run below the mode
+    (see ``LiveTensorTracker._run_higher_order``), so the FLOPs inside them are not counted;
+    ``FlopCounterMode`` counts ``torch.cond``'s larger branch and rejects the rest. The fused
+    CPU attention kernel, which torch's registry lacks, is counted like the GPU ones.
+    """
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.flops_by_op: dict[str, int] = {}
         self.backward_flops = 0
+        self.total_flops = 0
 
-    def _count_flops(self, func_packet, out, args, kwargs):
-        if _graph_task_id() == -1 or func_packet not in self.flop_registry:
-            return super()._count_flops(func_packet, out, args, kwargs)
-        per_op = self.flop_counts["Global"]
-        before = per_op.get(func_packet, 0)
-        result = super()._count_flops(func_packet, out, args, kwargs)
-        self.backward_flops += per_op.get(func_packet, 0) - before
-        return result
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if not self._active:
+            return super()._dispatch(func, args, kwargs)
+        if isinstance(func, HigherOrderOperator):
+            triton_kernel = _triton_kernel_of(func, kwargs)
+            key = func if triton_kernel is None else triton_kernel
+            formula = flop_registry.get(key)
+            if formula is None:
+                return super()._dispatch(func, args, kwargs)
+            out = super()._dispatch(func, args, kwargs)
+            name = getattr(key, "__name__", None) or str(key)
+            out_val = None if triton_kernel is not None else out  # as FlopCounterMode does
+            self._add_flops(name, formula(*args, **kwargs, out_val=out_val))
+            return out
+        packet = func._overloadpacket
+        formula = flop_registry.get(packet) or _EXTRA_FLOP_FORMULAS.get(packet)
+        if formula is None and func is not torch.ops.prim.device.default:
+            decomposes = _DECOMPOSES.get(func)
+            if decomposes is None:
+                decomposes = _DECOMPOSES[func] = _has_composite_implicit(func)
+            if decomposes:
+                with self._reentered():
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        out = super()._dispatch(func, args, kwargs)
+        if formula is not None:
+            self._add_flops(str(packet), _apply_flop_formula(formula, args, kwargs, out))
+        return out
+
+    def _add_flops(self, name: str, flops: int) -> None:
+        flops = int(flops)
+        with self._lock:
+            self.flops_by_op[name] = self.flops_by_op.get(name, 0) + flops
+            self.total_flops += flops
+            if _graph_task_id() != -1:
+                self.backward_flops += flops
 
 
 # --------------------------------------------------------------------------------------------
@@ -673,7 +826,7 @@ class Measurement:
     saved_bytes_total: int
     """Distinct storages saved for backward, including parameters/inputs that predate the step."""
     flops: int
-    """FLOPs of the whole step (``FlopCounterMode``)."""
+    """FLOPs of the whole step (``torch.utils.flop_counter`` formulas)."""
     forward_flops: int
     """FLOPs of ops run outside the autograd engine."""
     backward_flops: int
@@ -811,15 +964,13 @@ def measure(
         # mid-step (that would lower the allocation below the starting point). The tracker
         # counts only storages allocated in the step, so it does not need this.
         gc.collect()
-    tracker = LiveTensorTracker(device=dev)
-    flop_counter = _PhaseFlopCounter()
+    tracker = _StepInstrument(device=dev)
     recorder = _SavedRecorder(tracker)
     cuda_peak = _CudaPeak(dev) if dev.type == "cuda" else None
     if cuda_peak is not None:
         cuda_peak.__enter__()
     try:
-        # Tracker below the FLOP counter: it sees exactly the ops that execute.
-        with tracker, flop_counter, _RecordSaved(recorder):
+        with tracker, _RecordSaved(recorder):
             out = step_fn(*args, **kwargs)
             needs_backward = _requires_grad_output(out)
             del out
@@ -843,18 +994,16 @@ def measure(
         _synchronize(dev)
         times.append(time.perf_counter() - t0)
 
-    total_flops = flop_counter.get_total_flops()
     by_op = sorted(
-        ((str(op), n) for op, n in flop_counter.get_flop_counts().get("Global", {}).items() if n),
-        key=lambda kv: (-kv[1], kv[0]),
+        ((op, n) for op, n in tracker.flops_by_op.items() if n), key=lambda kv: (-kv[1], kv[0])
     )
     return Measurement(
         peak_bytes=cuda_peak.peak_bytes if cuda_peak is not None else tracker.peak_bytes,
         saved_bytes=recorder.activation_bytes,
         saved_bytes_total=recorder.total_bytes,
-        flops=total_flops,
-        forward_flops=total_flops - flop_counter.backward_flops,
-        backward_flops=flop_counter.backward_flops,
+        flops=tracker.total_flops,
+        forward_flops=tracker.total_flops - tracker.backward_flops,
+        backward_flops=tracker.backward_flops,
         seconds=statistics.median(times) if times else None,
         seconds_all=tuple(times),
         device=describe_device(dev),

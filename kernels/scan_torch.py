@@ -96,9 +96,11 @@ def scan_torch(
         if n == 1:
             starts = h.unsqueeze(1)
         else:
-            local = torch.zeros((batch, n, *state), dtype=acc, device=u.device)
-            for i in steps:
-                local = _step(_at_chunk_pos(av, i), _at_chunk_pos(uv, i), local, acc, None)
+            # Ping-pong between two buffers: no allocation per step (large CPU allocations page-fault).
+            bufs = torch.zeros((2, batch, n, *state), dtype=acc, device=u.device)
+            local = bufs[0]
+            for k, i in enumerate(steps):
+                local = _step(_at_chunk_pos(av, i), _at_chunk_pos(uv, i), local, acc, bufs[(k + 1) % 2])
             prods = torch.prod(av.to(acc) if av.dtype != acc else av, dim=2)
             prods = prods.expand(prods.shape[0], n, *prods.shape[2:])
             starts = torch.empty((batch, n, *state), dtype=acc, device=u.device)

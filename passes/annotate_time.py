@@ -17,7 +17,7 @@ def annotate_time_locality(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ``plan="none"`` records a note instead.
     """
     try:
-        tl = analyze_time_locality(gm, time_axis=ctx.time_axis)
+        tl = analyze_time_locality(gm, time_axis=ctx.time_axis, example_inputs=ctx.example_inputs)
     except NoTimeAxisError as exc:
         if ctx.strict:
             raise

@@ -123,8 +123,8 @@ def _is_elementwise(node: fx.Node) -> bool:
 def _mlp_inputs(down: _Linear, linears: dict[fx.Node, _Linear]) -> list[_Linear] | None:
     """The in-projections feeding ``down`` through elementwise ops, or None if not an MLP."""
     hidden_shape = _shape(down.x)
-    if hidden_shape is None:
-        return None
+    if hidden_shape is None or down.x in linears:
+        return None  # two linears back to back are one linear map, not an MLP
     found: list[_Linear] = []
     frontier, seen = [down.x], set()
     while frontier:

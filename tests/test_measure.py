@@ -506,3 +506,62 @@ def test_compiled_step_runs_eagerly_when_measured_and_compiled_afterwards() -> N
     assert len(graph_calls) == 3
     loss_fn(x)
     assert len(graph_calls) == 4
+
+
+def test_flops_match_flop_counter_mode() -> None:
+    """Same formulas as FlopCounterMode, op by op, on a mix of matmuls and convolutions."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 10)
+    conv = torch.nn.Conv2d(3, 5, 3, padding=1)
+    x, img = torch.randn(2, 7, 6), torch.randn(2, 3, 9, 11)
+    bias = torch.randn(2, 7, 7, requires_grad=True)
+
+    def mixed_step() -> None:
+        h = lin(x)  # 3-D input: addmm on a flattened view
+        a = torch.bmm(h, h.transpose(1, 2))
+        b = torch.baddbmm(bias, h, h.transpose(1, 2))
+        c = conv(img).mean()
+        e = torch.einsum("bij,bjk->bik", a, b)  # bmm
+        (e.sum() + c).backward()
+
+    m = measure(mixed_step, repeat=0)
+    with FlopCounterMode(display=False) as reference:
+        mixed_step()
+    expected = {str(op): n for op, n in reference.get_flop_counts()["Global"].items() if n}
+    assert dict(m.flops_by_op) == expected
+    assert m.flops == reference.get_total_flops() > 0
+    assert m.forward_flops + m.backward_flops == m.flops and m.backward_flops > m.forward_flops
+
+
+def test_fused_cpu_attention_flops() -> None:
+    b_, h_, sq, sk, d, dv = 2, 3, 5, 7, 4, 4  # the fused kernel needs equal head sizes
+    q = torch.randn(b_, h_, sq, d, requires_grad=True)
+    k = torch.randn(b_, h_, sk, d, requires_grad=True)
+    v = torch.randn(b_, h_, sk, dv, requires_grad=True)
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    m = measure(lambda: attention(q, k, v)[0].sum().backward(), repeat=0)
+    # torch's attention formulas: forward = scores q k^T and p v; backward = the scores again
+    # (flash kernels recompute them), then dp = g v^T, dv = p^T g, dq = ds k, dk = ds^T q.
+    assert m.forward_flops == 2 * b_ * h_ * sq * sk * (d + dv)
+    assert m.backward_flops == 2 * b_ * h_ * sq * sk * (3 * d + 2 * dv)
+
+
+def test_higher_order_op_runs_below_the_tracker() -> None:
+    x = torch.randn(4, 8)
+
+    def branchy(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda x: x.sin() @ x.T, lambda x: x.cos() @ x.T, (x,))
+
+    with LiveTensorTracker(timeline=True) as tr:
+        out = branchy(x)
+    # x.sum() (4 B, freed once the comparison exists) > 0 (1 B bool, alive while cond runs);
+    # the cond output (4 x 4 float32) is observed, the branch's sin/cos temporaries are not.
+    assert [(s.op, s.live_bytes) for s in tr.timeline] == [
+        ("aten.sum.default", 4),
+        ("aten.gt.Scalar", 5),
+        ("cond", 1 + 64),
+    ]
+    assert tr.live_bytes == 64 and out.numel() * 4 == 64
+    del out

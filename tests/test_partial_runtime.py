@@ -287,3 +287,22 @@ def test_materialize_and_load_full_parameters_round_trip() -> None:
     assert torch.equal(sliced.down.frozen_weight_0, new["down.weight"][:, :3])
     with pytest.raises(PartialUpdateError, match="not a \\(full\\) parameter"):
         load_full_parameters(sliced, {"up.weight_slice": new["up.weight"][3:5]})
+
+
+def test_share_storage_slices_are_views_that_write_through() -> None:
+    lin = nn.Linear(5, 8).to(DT)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    layer = SlicedLinear(lin.weight, lin.bias, SliceLayout(0, even_bounds(8, 2), 1), share_storage=True)
+    assert layer.weight_slice.data_ptr() == lin.weight[4:].data_ptr()
+    assert layer.frozen_weight_0.data_ptr() == lin.weight.data_ptr()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer(torch.randn(3, 5, dtype=DT)).sum().backward()
+    opt.step()
+    assert torch.equal(lin.weight[:4], w0[:4]) and not torch.equal(lin.weight[4:], w0[4:])
+    assert torch.equal(lin.bias[:4], b0[:4]) and not torch.equal(lin.bias[4:], b0[4:])
+    assert torch.equal(layer.full_weight(), lin.weight.detach())
+    # input-split layout: column views of the same storage
+    down = SlicedLinear(lin.weight, None, SliceLayout(1, even_bounds(5, 2), 0), share_storage=True)
+    with torch.no_grad():
+        down.weight_slice.mul_(0)
+    assert torch.all(lin.weight[:, :3] == 0) and torch.all(lin.weight[:, 3:] != 0)

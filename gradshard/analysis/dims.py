@@ -121,8 +121,9 @@ class _Ctx:
         sides = [(ls, fs) for ls, fs in sides if ls]
         if len(sides) < 2:
             return
-        if all(len(ls) == 1 for ls, _ in sides):
-            self.union(l for ls, _ in sides for l in ls)
+        classes = [{self.a.classes[l] for l in ls} for ls, _ in sides]
+        if all(len(c) == 1 for c in classes):
+            self.union(next(iter(c)) for c in classes)
             return
         facs = [fs for _, fs in sides]
         if all(fs is not None for fs in facs) and len({tuple(sz for _, sz in fs) for fs in facs}) == 1:
@@ -214,7 +215,9 @@ _SAME_SHAPE_OPS = [
     aten.leaky_relu, aten.elu, aten.mish, aten.logit, aten.nan_to_num, aten.pow, aten.lerp,
     aten.addcmul, aten.addcdiv, aten.clamp_min, aten.clamp_max, aten.bitwise_not,
     aten.logical_not, aten.logical_and, aten.logical_or, aten.eq, aten.ne, aten.lt, aten.le,
-    aten.gt, aten.ge, aten.minimum, aten.maximum,
+    aten.gt, aten.ge, aten.minimum, aten.maximum, aten.log_sigmoid, aten.hardswish,
+    aten.hardsigmoid, aten.relu6, aten.softshrink, aten.hardshrink, aten.selu, aten.celu,
+    aten.square, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.bernoulli,
 ]
 register_dim_rule(*_SAME_SHAPE_OPS)(pointwise_rule)
 

@@ -98,16 +98,19 @@ class TimeInfo:
 
     ``time_dims``: output dims on the time axis (two for a ``T x T`` score matrix);
     ``reach``: composed reach from the graph inputs (``None`` if it does not depend on time);
-    ``local``: this node's own rule; ``abs_range``: steps read by an unrolled-loop node;
-    ``causal_mask``: the node is a score matrix with a causal mask applied.
+    ``local``: this node's own rule; ``abs_range``: absolute steps read by a node without a
+    time axis (a loop step, a block's state); ``causal_mask``: the node is a score matrix
+    with a causal mask applied; ``origin``: absolute step of index 0 on the time dim.
     """
 
     time_dims: tuple[int, ...]
     reach: Reach | None
     local: Reach | None
-    abs_range: tuple[int, int] | None = None
+    abs_range: tuple[float, float] | None = None
     causal_mask: bool = False
     why: str = ""
+    origin: int = 0  # absolute step of index 0 along the time dim (moved by slices/pads)
+    abs_max: float | None = None  # latest absolute step any element reads (time-carrying nodes)
 
 
 @dataclass
@@ -141,6 +144,9 @@ SCAN_OPS: dict[Any, int] = {
     aten.cummax.default: 1,
     aten.cummin.default: 1,
 }
+# Ops that read only their inputs' metadata (shape, dtype, device), never the data.
+DATA_INDEPENDENT = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like,
+                    aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like}
 # gradshard custom ops: qualified name -> (time dim of main input, reach)
 CUSTOM_TIME_OPS: dict[str, tuple[int, Reach]] = {
     "gradshard::linear_scan": (1, ALL_PAST),
@@ -177,6 +183,7 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
         return cls, {str(cls): [f"time_axis hint: input {idx} dim {d}"]}
 
     selects: dict[int, set[int]] = {}
+    slices: dict[int, set[int]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -198,6 +205,19 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
         elif node.target is aten.select.int and nd is not None:
             for l in nd.selected:
                 selects.setdefault(dims.canon(l), set()).add(node.args[2])
+        elif node.target is aten.slice.Tensor and nd is not None and len(node.args) > 2:
+            src = dims.dims_of(node.args[0])
+            if src is not None and src.dims:
+                ax = node.args[1] % len(src.dims)
+                for l in src.dims[ax]:
+                    slices.setdefault(dims.canon(l), set()).add(node.args[2] or 0)
+        elif node.target in (aten.matmul.default, aten.bmm.default, aten.einsum.default) and nd is not None:
+            shp = shape_of(node) or ()
+            if len(nd.dims) >= 2 and nd.dims[-1] and nd.dims[-2] and shp[-1] > 1:
+                c1 = {dims.canon(l) for l in nd.dims[-1]}
+                c2 = {dims.canon(l) for l in nd.dims[-2]}
+                if c1 & c2:
+                    add(nd.dims[-1] & nd.dims[-2] or nd.dims[-1], f"{node.name}: token-token product (q k^T)")
         elif node.target in (aten.softmax.int, aten._softmax.default) and nd is not None:
             shp = shape_of(node) or ()
             if len(shp) >= 2 and shp[-1] == shp[-2] and nd.dims[-1] and nd.dims[-2]:
@@ -205,6 +225,9 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
     for cls, idxs in selects.items():
         if len(idxs) >= 2:
             evidence.setdefault(cls, []).append(f"per-step loop: select at {len(idxs)} indices")
+    for cls, starts in slices.items():
+        if len(starts) >= 3:
+            evidence.setdefault(cls, []).append(f"chunked loop: slices at {len(starts)} offsets")
     if not evidence:
         raise NoTimeAxisError(
             "no time axis found: the graph has no scan (cumsum/cumprod/linear_scan), no attention "
@@ -219,14 +242,14 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
 # --------------------------------------------------------------------------- local rules
 
 
-def is_causal_mask(op: Any, mask: fx.Node, scores_arg_first: bool = True) -> bool:
+def is_causal_mask(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] | None = None) -> bool:
     """Is ``mask`` (a constant) causal as used by ``op``: every future entry masked?
 
-    ``add``/SDPA float masks mask with ``-inf`` (or a very negative number); ``masked_fill``
-    masks where True; ``where(cond, scores, -inf)`` and SDPA bool masks keep where True.
+    ``add``/SDPA float masks mask with ``-inf`` (or a very negative number); ``mul`` (decay
+    masks of linear attention) with zeros; ``masked_fill`` masks where True; ``where(cond, scores, -inf)`` and SDPA bool masks keep where True.
     Masking part of the past too (sliding windows) is still causal.
     """
-    val = evaluate_constant(mask)
+    val = evaluate_constant(mask, known)
     if val is None or val.dim() < 2 or val.shape[-1] < 2:
         return False
     m = val.detach().reshape(-1, val.shape[-2], val.shape[-1])
@@ -234,6 +257,8 @@ def is_causal_mask(op: Any, mask: fx.Node, scores_arg_first: bool = True) -> boo
     future = torch.ones(tq, tk, dtype=torch.bool).triu(1 + tk - tq)
     if op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         masked = m.bool()
+    elif op is aten.mul.Tensor:  # multiplicative (decay) masks: zero in the future
+        masked = m == 0
     elif m.dtype == torch.bool:  # where(cond, scores, -inf) / SDPA: True keeps
         masked = ~m
     else:
@@ -282,10 +307,20 @@ def _conv_reach(node: fx.Node) -> Reach:
 
 
 def analyze_time_locality(gm: fx.GraphModule, *, time_axis: tuple[int, int] | None = None,
-                          dims: DimAnalysis | None = None) -> TimeLocality:
-    """Infer the time axis and give every node its :class:`TimeInfo` (pure analysis)."""
+                          dims: DimAnalysis | None = None,
+                          example_inputs: Any = None) -> TimeLocality:
+    """Infer the time axis and give every node its :class:`TimeInfo` (pure analysis).
+
+    ``example_inputs`` (the flat placeholder values) lets mask analysis read parameters and
+    buffers without a time axis (e.g. the decay rates inside a linear-attention mask).
+    """
     dims = dims or analyze_dims(gm)
     cls, evidence = infer_time_class(gm, dims, time_axis)
+    known: dict[str, torch.Tensor] = {}
+    if example_inputs is not None:
+        for ph, val in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+            if isinstance(val, torch.Tensor) and not dims.axes_in_class(ph, cls):
+                known[ph.name] = val
     info: dict[str, TimeInfo] = {}
     time_inputs: dict[str, int] = {}
     seq_len = 0
@@ -305,57 +340,94 @@ def analyze_time_locality(gm: fx.GraphModule, *, time_axis: tuple[int, int] | No
             else:
                 info[node.name] = TimeInfo((), None, None, why="graph input without a time axis")
             continue
-        info[node.name] = _node_info(node, tdims, info, dims, cls)
+        info[node.name] = _node_info(node, tdims, info, dims, cls, known)
     # normalise "reaches back to step 0 for every t" to all-past
     T = seq_len
     for name, ti in list(info.items()):
         if ti.reach is not None and T and ti.reach.lo <= -(T - 1) and ti.reach.lo != -INF:
-            info[name] = TimeInfo(ti.time_dims, Reach(-INF, ti.reach.hi), ti.local, ti.abs_range, ti.causal_mask, ti.why)
+            local = ti.local
+            if local is not None and local.lo <= -(T - 1):
+                local = Reach(-INF, local.hi)
+            info[name] = TimeInfo(ti.time_dims, Reach(-INF, ti.reach.hi), local, ti.abs_range, ti.causal_mask, ti.why, ti.origin, ti.abs_max)
     return TimeLocality(dims, cls, seq_len, info, time_inputs, evidence)
 
 
-def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo], dims: DimAnalysis, cls: int) -> TimeInfo:
-    ins = [info[a.name] for a in node.all_input_nodes if a.name in info]
-    timed = [i for i in ins if i.reach is not None]
-    if not timed:
+def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo], dims: DimAnalysis, cls: int,
+               known: dict[str, torch.Tensor]) -> TimeInfo:
+    """Time facts of ``node`` from its inputs' facts and its op's local rule.
+
+    Positions are tracked absolutely: a time-carrying node with ``origin`` o and reach
+    [lo, hi] has its element p read graph-input steps [o+p+lo, o+p+hi]; a node without a
+    time axis that depends on time reads the absolute steps ``abs_range``. A slice along
+    time moves the origin, so block-wise loops (a state summarising block i, read by block
+    j > i) come out causal.
+    """
+    timed = [(a, info[a.name]) for a in node.all_input_nodes if a.name in info and info[a.name].reach is not None]
+    if not timed or getattr(node.target, "_overloadpacket", None) in DATA_INDEPENDENT:
         return TimeInfo(tdims, None, None, why="does not depend on time")
-    base = timed[0].reach if timed[0].reach is not None else POINTWISE
-    for t in timed[1:]:
-        base = base.join(t.reach)  # type: ignore[arg-type]
-    abs_ranges = [i.abs_range for i in timed if i.abs_range is not None]
-    abs_range = (min(a for a, _ in abs_ranges), max(b for _, b in abs_ranges)) if abs_ranges else None
-    causal = any(i.causal_mask for i in timed)
     tgt = node.target
     qual = _qualname(node)
-    in_time = next((i.time_dims for i in timed if i.time_dims), ())
-    t_in = in_time[0] if len(in_time) == 1 else None
-    src_ti = info.get(node.args[0].name) if node.args and isinstance(node.args[0], fx.Node) else None
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    src_ti = info.get(src.name) if src is not None else None
     src_td = src_ti.time_dims[0] if src_ti is not None and len(src_ti.time_dims) == 1 else None
+    src_shape = shape_of(src) or () if src is not None else ()
+    causal = any(i.causal_mask for _, i in timed)
 
-    def make(local: Reach, why: str, **kw: Any) -> TimeInfo:
-        return TimeInfo(tdims, base.then(local), local, kw.get("abs_range", abs_range), kw.get("causal", causal), why)
+    unbind_time = (src is not None and src.target is aten.unbind.int and src_ti is not None
+                   and len(src_ti.time_dims) == 0 and _unbind_was_time(src, info))
+    if tgt is operator.getitem and src_ti is not None and not unbind_time:
+        return src_ti  # element of a multi-output op: same facts
+    out_len = (shape_of(node) or ())[tdims[0]] if tdims and shape_of(node) else 1
+    # a length-1 time dim broadcast over a longer one is one absolute step, not a position
+    single = {a.name for a, i in timed if i.time_dims and _time_len(a, i) == 1 and out_len > 1}
+    with_t = [(a, i) for a, i in timed if i.time_dims and a.name not in single]
+    origin = with_t[0][1].origin if with_t else 0
+    length = _time_len(with_t[0][0], with_t[0][1]) if with_t else 1
+    base: Reach | None = None
+    abs_lo, abs_hi = INF, -INF
+    for a, i in timed:
+        if a.name in single:
+            a_lo, a_hi = i.origin + i.reach.lo, _latest(a, i)
+            c = Reach(a_lo - (origin + length - 1), a_hi - origin)
+        elif i.time_dims:
+            c = i.reach.then(Reach(i.origin - origin, i.origin - origin))
+            a_lo, a_hi = i.origin + i.reach.lo, _latest(a, i)
+        elif i.abs_range is not None:
+            a_lo, a_hi = i.abs_range
+            c = Reach(a_lo - (origin + length - 1), a_hi - origin)
+        else:
+            c, a_lo, a_hi = i.reach, -INF, INF
+        base = c if base is None else base.join(c)
+        abs_lo, abs_hi = min(abs_lo, a_lo), max(abs_hi, a_hi)
+    assert base is not None
+    abs_range = (abs_lo, abs_hi)
 
-    if tgt is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].name in info \
-            and node.args[0].target is not aten.unbind.int:
-        src = info[node.args[0].name]
-        return TimeInfo(tdims, src.reach, src.local, src.abs_range, src.causal_mask, src.why)
+    def make(local: Reach, why: str, *, origin_: int | None = None, causal_: bool | None = None) -> TimeInfo:
+        o = origin if origin_ is None else origin_
+        reach = base.then(local)
+        latest = o + out_len - 1 + reach.hi
+        if local.hi <= 0:  # reads no later than its inputs do
+            latest = min(latest, abs_hi)
+        return TimeInfo(tdims, reach, local, None, causal if causal_ is None else causal_, why, o, latest)
+
     # loop step: select along time reads one absolute step
-    src_nd = len(shape_of(node.args[0]) or ()) if node.args and isinstance(node.args[0], fx.Node) else 0
-    if tgt is aten.select.int and src_td is not None and node.args[1] % max(src_nd, 1) == src_td:
+    if tgt is aten.select.int and src_td is not None and node.args[1] % max(len(src_shape), 1) == src_td:
         i = int(node.args[2])
-        i = i if i >= 0 else i + (shape_of(node.args[0]) or (0,))[src_td]
-        return TimeInfo((), base, None, (i + base.lo if base.lo != -INF else -INF, i + base.hi), causal, f"loop step {i}")
-    if tgt is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target is aten.unbind.int:
-        i = int(node.args[1])
-        return TimeInfo(tdims, base, None, (i, i) if not tdims else abs_range, causal, f"loop step {i}")
-    if tgt in (aten.stack.default, aten.cat.default) and abs_range is not None and tdims:
-        return _stack_info(node, tdims, info, base)
+        i = i if i >= 0 else i + src_shape[src_td]
+        at = src_ti.origin + i
+        return TimeInfo((), src_ti.reach, None, (at + src_ti.reach.lo, at + src_ti.reach.hi), causal, f"loop step {i}")
+    if tgt is operator.getitem and unbind_time:
+        base_ti = info[src.args[0].name]
+        i = int(node.args[1]) + base_ti.origin
+        return TimeInfo((), base_ti.reach, None, (i + base_ti.reach.lo, i + base_ti.reach.hi), causal, f"loop step {i}")
     if not tdims:
-        if abs_range is not None:
+        if not with_t:
             return TimeInfo((), base, None, abs_range, causal, "loop body")
-        if any(i.time_dims for i in timed):
-            return TimeInfo((), GLOBAL, GLOBAL, None, False, "reduces over the time axis")
-        return TimeInfo((), base, None, None, causal, "")
+        return TimeInfo((), GLOBAL, GLOBAL, abs_range, False, "reduces over the time axis")
+    if tgt in (aten.stack.default, aten.cat.default) and not with_t:
+        return _stack_info(node, tdims, info)
+    if tgt is aten.cat.default and with_t:
+        return _cat_info(node, tdims, info, causal)
     # time-carrying nodes
     if tgt in SCAN_OPS:
         ax = node.args[1] % max(len(shape_of(node) or (1,)), 1)
@@ -366,11 +438,20 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
         rev = bool(node.kwargs.get("reverse", False)) or (len(node.args) > 3 and node.args[3] is True)
         return make(Reach(0, INF) if rev else ALL_PAST, f"{qual}")
     if tgt is aten.slice.Tensor and src_td is not None:
-        return make(_shift_of_slice(node, src_td) or POINTWISE, "slice")
+        dim = (node.args[1] if len(node.args) > 1 else 0) % max(len(src_shape), 1)
+        if dim != src_td:
+            return make(POINTWISE, "slice along a non-time axis")
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        start = start + src_shape[src_td] if start < 0 else min(start, src_shape[src_td])
+        step = node.args[4] if len(node.args) > 4 else 1
+        if step != 1:
+            return make(GLOBAL, "strided slice along time")
+        return make(POINTWISE, f"slice along time from step {start}", origin_=src_ti.origin + start)
     if tgt in (aten.constant_pad_nd.default, aten.pad.default) and src_td is not None:
-        return make(_pad_shift(node, src_td, len(shape_of(node) or ())), "pad")
+        left = -_pad_shift(node, src_td, len(shape_of(node) or ())).lo
+        return make(POINTWISE, f"pad {left} steps before", origin_=src_ti.origin - int(left))
     if tgt in (aten.conv1d.default, aten.convolution.default) and src_td is not None:
-        if src_td == len(shape_of(node.args[0]) or ()) - 1:
+        if src_td == len(src_shape) - 1:
             return make(_conv_reach(node), "convolution along time")
         return make(POINTWISE, "convolution across time-independent positions")
     if tgt in (aten.flip.default, aten.roll.default, aten.index_select.default, aten.gather.default,
@@ -383,24 +464,24 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
     if tgt in (aten.scaled_dot_product_attention.default,):
         is_causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        if is_causal or (isinstance(mask, fx.Node) and is_causal_mask(tgt, mask)):
+        if is_causal or (isinstance(mask, fx.Node) and is_causal_mask(tgt, mask, known)):
             return make(ALL_PAST, "causal attention")
         return make(GLOBAL, "non-causal attention reads future steps")
     if len(tdims) == 2:  # a T x T score matrix (q @ k^T), possibly masked
         mask_nodes = [a for a in node.all_input_nodes if info.get(a.name) is not None and info[a.name].reach is None]
-        now_causal = causal or any(is_causal_mask(tgt, m) for m in mask_nodes)
-        return TimeInfo(tdims, base, POINTWISE, abs_range, now_causal, "score matrix" + (" (causal mask)" if now_causal else ""))
-    contracted = [i for i in timed if len(i.time_dims) == 2]
+        now_causal = causal or any(is_causal_mask(tgt, m, known) for m in mask_nodes)
+        return make(POINTWISE, "score matrix" + (" (causal mask)" if now_causal else ""), causal_=now_causal)
+    contracted = [i for _, i in timed if len(i.time_dims) == 2]
     if contracted and len(tdims) == 1:
         if any(i.causal_mask for i in contracted):
-            return make(ALL_PAST, "attention: causally masked scores times values")
-        return make(GLOBAL, "attention without a causal mask reads future steps")
+            return make(ALL_PAST, "attention: causally masked scores times values", causal_=False)
+        return make(GLOBAL, "attention without a causal mask reads future steps", causal_=False)
     if tgt in (aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.softmax.int, aten._softmax.default,
                aten.log_softmax.int, aten.logsumexp.default, aten.prod.dim_int, aten.var.correction,
                aten.layer_norm.default, aten.rms_norm.default, aten.group_norm.default):
         red = node.args[1] if len(node.args) > 1 else None
         red = [red] if isinstance(red, int) else list(red or [])
-        nd = len(shape_of(node.args[0]) or ())
+        nd = len(src_shape)
         if tgt in (aten.layer_norm.default, aten.rms_norm.default):
             red = list(range(nd - len(node.args[1]), nd))
         if tgt is aten.group_norm.default:
@@ -408,11 +489,56 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
         if src_td is not None and any(r % nd == src_td for r in red):
             return make(GLOBAL, "normalises or reduces along time")
     if dims.nodes.get(node.name) is not None and node.name in dims.opaque:
-        return make(GLOBAL, "unknown op: assumed to read every step")
+        return make(GLOBAL, f"unknown op {getattr(tgt, '__name__', tgt)}: assumed to read every step")
     return make(POINTWISE, "time-local")
 
 
-def _stack_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo], base: Reach) -> TimeInfo:
+def _unbind_was_time(unbind: fx.Node, info: dict[str, TimeInfo]) -> bool:
+    """Did this ``unbind`` split its input along the time axis (a loop over steps)?"""
+    src = unbind.args[0]
+    ti = info.get(src.name) if isinstance(src, fx.Node) else None
+    if ti is None or len(ti.time_dims) != 1:
+        return False
+    dim = unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)
+    return dim % max(len(shape_of(src) or ()), 1) == ti.time_dims[0]
+
+
+def _latest(node: fx.Node, ti: TimeInfo) -> float:
+    """The latest absolute step any element of a time-carrying node reads."""
+    bound = ti.origin + _time_len(node, ti) - 1 + ti.reach.hi
+    return min(bound, ti.abs_max) if ti.abs_max is not None else bound
+
+
+def _time_len(node: fx.Node, ti: TimeInfo) -> int:
+    shp = shape_of(node)
+    return shp[ti.time_dims[0]] if shp and ti.time_dims else 1
+
+
+def _cat_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo], causal: bool) -> TimeInfo:
+    """``cat`` along time of blocks with their own origins (block-wise loops)."""
+    pieces = [p for p in node.args[0] if isinstance(p, fx.Node)]
+    out_shape = shape_of(node) or ()
+    dim = (node.args[1] if len(node.args) > 1 else 0) % max(len(out_shape), 1)
+    first = next((info[p.name] for p in pieces if p.name in info and info[p.name].time_dims), None)
+    origin = first.origin if first else 0
+    reach: Reach | None = None
+    offset = 0
+    along_time = bool(tdims) and dim == tdims[0]
+    for p in pieces:
+        pi = info.get(p.name)
+        n = (shape_of(p) or (0,) * (dim + 1))[dim]
+        if pi is not None and pi.reach is not None:
+            shift = (pi.origin - offset - origin) if along_time else (pi.origin - origin)
+            c = pi.reach.then(Reach(shift, shift)) if pi.time_dims else GLOBAL
+            reach = c if reach is None else reach.join(c)
+        offset += n
+    reach = reach or POINTWISE
+    latest = max((_latest(p, info[p.name]) for p in pieces if p.name in info and info[p.name].time_dims), default=None)
+    return TimeInfo(tdims, reach, POINTWISE, None, causal,
+                    "concatenates blocks along time" if along_time else "concatenates", origin, latest)
+
+
+def _stack_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo]) -> TimeInfo:
     """``stack`` of loop steps: piece j reading absolute steps [a_j, b_j] reads [a_j-j, b_j-j]."""
     pieces = [p for p in node.args[0] if isinstance(p, fx.Node)]
     lo, hi = INF, -INF

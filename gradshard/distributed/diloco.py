@@ -36,13 +36,14 @@ The module interface (:class:`SlicedParameters`) is three methods, which gradsha
 ``CompiledModule`` provides and which default to :mod:`gradshard.runtime.partial` for any
 ``nn.Module`` (plain modules: every ``requires_grad`` parameter is trained in full):
 ``parameter_slices()``, ``full_parameters(names=None)`` and ``load_full_parameters(d)``.
+A ``gs.compile(model, plan="partial_update")`` module creates its slices at its first
+call: call it once before building the inner optimizer and the outer loop.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
 from typing import Any, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -80,7 +81,8 @@ class SlicedParameters(Protocol):
         """``{slice_name: (original_name, (dim, start, stop))}`` (DESIGN.md)."""
 
     def full_parameters(self, names: Iterable[str] | None = None) -> dict[str, Tensor]:
-        """Full parameter values under original names (sliced ones reassembled)."""
+        """Full values under original names: split tensors reassembled (new tensors), the
+        others as the live parameters (their ``requires_grad`` says whether they train)."""
 
     def load_full_parameters(self, params: Mapping[str, Tensor]) -> None:
         """Write full values (original names) back into the module, in place."""

@@ -29,7 +29,6 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..errors import GradshardError
@@ -184,7 +183,6 @@ def default_slice_index(num_slices: int, group: object | None = None) -> int:
 
 
 # --------------------------------------------------------------------------- autograd
-
 
 
 class _PartialLinearFn(torch.autograd.Function):

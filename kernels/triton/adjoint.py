@@ -115,7 +115,10 @@ def adjoint_shard_triton(
     sa = state_strides(a, u.shape)
     h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
     lc_2 = None if lam_carry is None else lam_carry.reshape(batch, n).contiguous()
-    block_t, block_n = (8, min(16, triton.next_power_of_2(n))) if INTERPRETED else (32, min(64, max(16, triton.next_power_of_2(n))))
+    if INTERPRETED:  # the interpreter scans element by element: keep tiles tiny
+        block_t, block_n = 8, min(16, triton.next_power_of_2(n))
+    else:
+        block_t, block_n = 32, min(64, max(16, triton.next_power_of_2(n)))
     n_tiles = triton.cdiv(length, block_t)
     ckpt = torch.empty((batch, n_tiles, n), dtype=acc, device=u.device)
     gh = grad_h0.view(batch, n) if dh_t == acc else torch.empty((batch, n), dtype=acc, device=u.device)

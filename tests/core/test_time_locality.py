@@ -124,3 +124,34 @@ def test_time_axis_hint():
 
 def nn_seq(*mods):
     return torch.nn.Sequential(*mods)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_blockwise_linear_attention_is_causal(gated):
+    """A python loop over blocks: slices move the origin; block states feed later blocks."""
+
+    class Blockwise(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+            self.gate = torch.nn.Linear(8, 1)
+            self.register_buffer("log_decay", torch.tensor(-0.1))
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            g = torch.nn.functional.logsigmoid(self.gate(x))[..., 0] if gated else self.log_decay.expand(x.shape[:2])
+            kv = q.new_zeros(x.shape[0], 8, 8)
+            outs = []
+            for s in range(0, x.shape[1], 4):
+                e = min(s + 4, x.shape[1])
+                qb, kb, vb, cum = q[:, s:e], k[:, s:e], v[:, s:e], torch.cumsum(g[:, s:e], 1)
+                mask = torch.exp(cum[:, :, None] - cum[:, None, :]) * torch.ones(e - s, e - s).tril()
+                outs.append((qb @ kb.transpose(1, 2) * mask) @ vb + (qb * cum.exp()[..., None]) @ kv)
+                total = cum[:, -1:]
+                kv = total.exp()[..., None] * kv + (kb * (total - cum).exp()[..., None]).transpose(1, 2) @ vb
+            return torch.cat(outs, 1)
+
+    cap, tl = _analyze(Blockwise(), torch.randn(2, 11, 8))
+    out = tl[_out(cap)]
+    assert out.time_dims == (1,) and out.reach.lo == -INF and out.reach.hi == 0
+    assert any("token-token" in e or "chunked loop" in e for es in tl.evidence.values() for e in es)

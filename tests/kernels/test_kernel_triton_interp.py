@@ -86,7 +86,9 @@ else:
         for x, y in zip(got, ref):
             assert rel(x, y) <= 1e-10
 
-    @pytest.mark.parametrize("length,with_state,per_head", [(1, True, False), (7, False, True), (37, True, True), (37, True, False)])
+    @pytest.mark.parametrize(
+        "length,with_state,per_head", [(1, True, False), (7, False, True), (37, True, True), (37, True, False)]
+    )
     def test_adjoint_shard_matches_torch(length, with_state, per_head):
         a, u, h0 = scan_inputs(3, length, a_shape=(3, length, 2, 1) if per_head else None)
         g = torch.randn(u.shape, dtype=F64, generator=torch.Generator().manual_seed(5))

@@ -1,0 +1,390 @@
+"""Probes: run one compiled training step on fake tensors and record what it costs.
+
+The cost model is fitted to *probes*: the compiled program (``gs.compile(model, plan)``,
+the same capture, passes and schedule a real run uses) executed on
+:class:`~torch._subclasses.fake_tensor.FakeTensor` s at a few small ``(batch, seq_len)``
+sizes. Fake tensors carry shapes, dtypes, devices and storages but no data, so a probe
+allocates nothing and computes nothing, yet every op dispatches exactly as it would on the
+real device (``F.scaled_dot_product_attention`` still picks the CPU flash kernel on a CPU
+tensor, views still share storages, autograd still saves and frees the same tensors).
+
+A probe records, with the same counting rules as :func:`gradshard.measure.measure`:
+
+- ``live``: the live-bytes timeline after every op (a
+  :class:`~gradshard.measure.LiveTensorTracker`), hence the peak;
+- ``saved_bytes``: distinct storages autograd saved for backward that the step allocated;
+- forward and backward FLOPs (``torch.utils.flop_counter``; ops run by the autograd engine
+  are backward);
+- ``retained_bytes``: what is still alive after the step (the new ``.grad`` tensors).
+
+The step is ``loss = loss_fn(compiled(*inputs)); loss.backward()`` with
+:func:`default_loss` unless the caller gives one. Inputs are resized along their time and
+batch axes (found by the time-locality analysis on a capture at the example sizes) by
+repeating their entries, so token ids stay valid. Models whose Python code depends on
+tensor *values* (boolean masks, ``nonzero``) cannot run on fake tensors; such probes fall
+back to real tensors (``mode="real"``) when the model is small.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..capture import capture, flatten_output
+from ..errors import GradshardError
+from ..measure import LiveTensorTracker
+
+__all__ = ["InputAxes", "ProbeSample", "CostProbeError", "default_loss", "find_input_axes",
+           "resize_inputs", "fake_clone", "make_step", "run_probe", "REAL_FALLBACK_MAX_BYTES"]
+
+_graph_task_id = torch._C._current_graph_task_id
+REAL_FALLBACK_MAX_BYTES = 1 << 30  # real-tensor fallback only for models with < 1 GiB of state
+
+
+class CostProbeError(GradshardError):
+    """A cost probe could not run the compiled step at a probe size."""
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """The scalar the priced step backpropagates from a model output.
+
+    The sum of the output's scalar floating-point leaves that require grad (a loss, e.g.
+    ``CausalLMOutput.loss``); if there are none, the sum of ``.sum()`` of every floating
+    leaf that requires grad (``logits.sum()``).
+    """
+    leaves, _ = flatten_output(out)
+    grads = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not grads:
+        raise CostProbeError("the model output has no floating-point tensor that requires grad: nothing to "
+                             "backpropagate. Pass loss_fn=... to gs.cost to say what the step differentiates.")
+    scalars = [t for t in grads if t.numel() == 1]
+    use = scalars or grads
+    loss = use[0].sum()
+    for t in use[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def make_step(module: Callable[..., Any], loss_fn: Callable[[Any], torch.Tensor] | None = None
+              ) -> Callable[..., torch.Tensor]:
+    """``step(*inputs)``: forward, the priced loss, backward; returns the detached loss.
+
+    The measurement side of the cost model's validation runs exactly this step, so
+    ``gs.measure(make_step(cm), *inputs)`` measures what ``gs.cost`` predicts.
+    """
+    loss_of = loss_fn or default_loss
+
+    def step(*inputs: Any) -> torch.Tensor:
+        loss = loss_of(module(*inputs))
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+# --------------------------------------------------------------------------- input axes
+
+
+@dataclass(frozen=True)
+class InputAxes:
+    """Time and batch dimensions of every tensor leaf of the example inputs (pytree order)."""
+
+    time: tuple[tuple[int, ...], ...]
+    batch: tuple[tuple[int, ...], ...]
+    seq_len: int
+    batch_size: int
+
+    def describe(self) -> str:
+        parts = []
+        for i, (t, b) in enumerate(zip(self.time, self.batch)):
+            if t or b:
+                parts.append(f"input{i}: time dims {list(t)}, batch dims {list(b)}")
+        return "; ".join(parts) or "no input has a time axis"
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def find_input_axes(target: Any, example_inputs: Sequence[Any], *, time_axis: tuple[int, int] | None = None,
+                    frontend: str = "python") -> InputAxes:
+    """Capture at the example sizes and read each input's time and batch dims off the graph.
+
+    The time class is the one the time-locality analysis infers (``time_axis`` overrides
+    it); the batch class is the class of dim 0 of the first input carrying time, when dim 0
+    is not itself time.
+    """
+    from ..analysis.dims import analyze_dims
+    from ..analysis.locality import NoTimeAxisError, infer_time_class
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ftarget, finputs = fake_clone((target, tuple(example_inputs)), mode)
+    try:
+        cap = capture(ftarget, tuple(finputs), {}, frontend=frontend)
+    except Exception as exc:
+        raise CostProbeError(f"gs.cost could not capture the model at the example sizes: {exc}") from exc
+    dims = analyze_dims(cap.gm)
+    try:
+        cls, _ = infer_time_class(cap.gm, dims, time_axis)
+    except NoTimeAxisError as exc:
+        raise CostProbeError(
+            "gs.cost needs the sequence axis: " + str(exc).splitlines()[0] +
+            "\n  instead: pass time_axis=(input_index, dim) to gs.cost") from exc
+    phs = [p for p in cap.gm.graph.find_nodes(op="placeholder")][cap.num_state:]
+    time = [dims.axes_in_class(p, cls) for p in phs]
+    batch_cls = None
+    for p, t in zip(phs, time):
+        shape = tuple(p.meta["val"].shape)
+        if t and len(shape) >= 2 and 0 not in t:
+            batch_cls = dims.canon(dims.input_labels[p.name][0])
+            break
+    batch = [dims.axes_in_class(p, batch_cls) if batch_cls is not None else () for p in phs]
+    batch = [tuple(d for d in b if d not in t) for b, t in zip(batch, time)]
+    seq_len = next((int(p.meta["val"].shape[t[0]]) for p, t in zip(phs, time) if t), 0)
+    if not seq_len:
+        raise CostProbeError("no example input carries the time axis the analysis found; pass "
+                             "time_axis=(input_index, dim) to gs.cost")
+    bsz = next((int(p.meta["val"].shape[b[0]]) for p, b in zip(phs, batch) if b), 1)
+    # the graph's tensor inputs are the example's tensor leaves in pytree order
+    return InputAxes(tuple(time), tuple(batch), seq_len, bsz)
+
+
+def resize_inputs(example_inputs: Sequence[Any], axes: InputAxes, batch: int, seq_len: int) -> tuple[Any, ...]:
+    """The example inputs with every time dim of size ``seq_len`` and batch dim of size ``batch``.
+
+    Entries are repeated cyclically (``x[..., arange(n) % size, ...]``), so integer inputs
+    keep values the model accepts (token ids, labels).
+    """
+    leaves, spec = pytree.tree_flatten(tuple(example_inputs))
+    out, k = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            x = leaf
+            for dims, n in ((axes.time[k], seq_len), (axes.batch[k], batch)):
+                for d in dims:
+                    idx = torch.arange(n, device=x.device) % x.shape[d]
+                    x = x.index_select(d, idx)
+            out.append(x)
+            k += 1
+        else:
+            out.append(leaf)
+    return tuple(pytree.tree_unflatten(out, spec))
+
+
+# --------------------------------------------------------------------------- fake copies
+
+
+def fake_clone(tree: Any, mode: FakeTensorMode) -> Any:
+    """A copy of ``tree`` (modules and tensors) whose parameters, buffers and tensors are fake.
+
+    Modules are deep-copied with their state replaced by meta tensors first (nothing real is
+    copied, so this is cheap for any model size), then every state tensor becomes a fake
+    tensor on the original device; shared (tied) tensors stay shared.
+    """
+    modules = [m for m in pytree.tree_leaves(tree) if isinstance(m, nn.Module)]
+    memo: dict[int, Any] = {}
+    devices: dict[int, torch.device] = {}
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if id(t) in memo:
+                continue
+            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            devices[id(memo[id(t)])] = t.device
+    fakes: dict[int, torch.Tensor] = {}
+
+    def to_fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            f = mode.fake_tensor_converter.from_meta_and_device(mode, t, devices.get(id(t), torch.device("cpu")))
+            if t.requires_grad:
+                f.requires_grad_(True)
+            fakes[id(t)] = f
+        return fakes[id(t)]
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, nn.Module):
+            m = copy.deepcopy(x, memo)
+            for sub in m.modules():
+                for k, p in list(sub._parameters.items()):
+                    if p is not None:
+                        sub._parameters[k] = to_fake(p)
+                for k, b in list(sub._buffers.items()):
+                    if b is not None:
+                        sub._buffers[k] = to_fake(b)
+            return m
+        if isinstance(x, torch.Tensor):
+            return mode.from_tensor(x)
+        return x
+
+    return pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, nn.Module))
+
+
+def _real_clone(tree: Any) -> Any:
+    memo: dict[int, Any] = {}
+    return pytree.tree_map(lambda x: copy.deepcopy(x, memo) if isinstance(x, nn.Module) else x, tree,
+                           is_leaf=lambda x: isinstance(x, nn.Module))
+
+
+# --------------------------------------------------------------------------- recording
+
+
+class _PhaseFlops(FlopCounterMode):
+    """FLOP counter that also sums the FLOPs of ops run by the autograd engine."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.backward_flops = 0
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if _graph_task_id() == -1 or func_packet not in self.flop_registry:
+            return super()._count_flops(func_packet, out, args, kwargs)
+        per_op = self.flop_counts["Global"]
+        before = per_op.get(func_packet, 0)
+        result = super()._count_flops(func_packet, out, args, kwargs)
+        self.backward_flops += per_op.get(func_packet, 0) - before
+        return result
+
+
+class _SavedBytes:
+    """Distinct storages saved for backward during the forward that the tracker owns."""
+
+    def __init__(self, tracker: LiveTensorTracker) -> None:
+        self.tracker = tracker
+        self.bytes = 0
+        self._seen: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if _graph_task_id() == -1 and self.tracker.owns(t):
+            st = t.untyped_storage()
+            key = st._cdata
+            with self._lock:
+                if key not in self._seen:
+                    self._seen[key] = weakref.ref(st, lambda _r, k=key: self._seen.pop(k, None))
+                    self.bytes += st.nbytes()
+        return t.detach()
+
+
+@dataclass(frozen=True)
+class ProbeSample:
+    """What one step cost at ``(batch, seq_len)`` (bytes above the pre-step baseline)."""
+
+    batch: int
+    seq_len: int
+    peak_bytes: int
+    saved_bytes: int
+    retained_bytes: int
+    allocated_bytes: int
+    flops_fwd: int
+    flops_bwd: int
+    state_bytes: int
+    trainable_bytes: int
+    input_bytes: int
+    peak_phase: str
+    mode: str
+    ops: tuple[str, ...]
+    live: tuple[int, ...]
+
+
+def _state_of(cm: Any) -> tuple[int, int]:
+    entry = getattr(cm, "_last", None)
+    cap = getattr(entry, "captured", None)
+    if cap is None:
+        return 0, 0
+    seen: set[int] = set()
+    total = trainable = 0
+    for t in [*cap.params, *cap.buffers, *getattr(entry.gm, "parameters", lambda: [])()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        nbytes = t.numel() * t.element_size()
+        total += nbytes
+        trainable += nbytes if t.requires_grad else 0
+    return total, trainable
+
+
+def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options: dict[str, Any],
+              axes: InputAxes, batch: int, seq_len: int, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+              time_axis: tuple[int, int] | None = None, frontend: str = "python",
+              mode: str = "auto") -> ProbeSample:
+    """Run the compiled step of ``plan`` at ``(batch, seq_len)`` on fake tensors (see module doc).
+
+    ``mode``: ``"fake"``, ``"real"`` or ``"auto"`` (fake, then real for small models whose
+    code reads tensor values).
+    """
+    if mode not in ("auto", "fake", "real"):
+        raise ValueError(f"probe mode must be 'auto', 'fake' or 'real', got {mode!r}")
+    inputs = resize_inputs(example_inputs, axes, batch, seq_len)
+    if mode in ("auto", "fake"):
+        try:
+            return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, True)
+        except CostProbeError:
+            raise
+        except Exception as exc:
+            if mode == "fake" or _state_bytes(target, inputs) > REAL_FALLBACK_MAX_BYTES:
+                raise CostProbeError(
+                    f"plan {plan!r} could not run on fake tensors at batch={batch}, seq_len={seq_len}: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n  why: the model "
+                    "or the plan's runtime reads tensor values (e.g. boolean-mask indexing), which fake "
+                    "tensors do not have.\n  instead: pass probe_mode='real' to gs.cost (runs small probe "
+                    "sizes for real), or make the value-dependent code a tensor op (torch.where)."
+                ) from exc
+    return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False)
+
+
+def _state_bytes(target: Any, inputs: Any) -> int:
+    mods = [m for m in pytree.tree_leaves((target, inputs)) if isinstance(m, nn.Module)]
+    seen: set[int] = set()
+    total = 0
+    for m in mods:
+        for t in [*m.parameters(), *m.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], batch: int, seq_len: int,
+                loss_fn: Callable | None, time_axis: tuple[int, int] | None, frontend: str,
+                fake: bool) -> ProbeSample:
+    from ..api import compile as gs_compile
+
+    if fake:
+        fmode = FakeTensorMode(allow_non_fake_inputs=True)
+        ftarget, finputs = fake_clone((target, inputs), fmode)
+    else:
+        ftarget, finputs = _real_clone((target, inputs))
+    cm = gs_compile(ftarget, plan, frontend=frontend, time_axis=time_axis, **options)
+    cm(*finputs)  # capture + compile at this size (not part of the priced step)
+    state, trainable = _state_of(cm)
+    input_bytes = sum(t.numel() * t.element_size() for t in _tensor_leaves(finputs))
+    device = next((t.device for t in _tensor_leaves(finputs)), torch.device("cpu"))
+    step = make_step(cm, loss_fn)
+    tracker = LiveTensorTracker(device=device, timeline=True)
+    flops = _PhaseFlops()
+    saved = _SavedBytes(tracker)
+    with tracker, flops, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        step(*finputs)
+    total_flops = flops.get_total_flops()
+    timeline = tracker.timeline
+    return ProbeSample(
+        batch=batch, seq_len=seq_len, peak_bytes=tracker.peak_bytes, saved_bytes=saved.bytes,
+        retained_bytes=tracker.live_bytes, allocated_bytes=tracker.allocated_bytes,
+        flops_fwd=total_flops - flops.backward_flops, flops_bwd=flops.backward_flops,
+        state_bytes=state, trainable_bytes=trainable, input_bytes=input_bytes,
+        peak_phase=tracker.peak_phase, mode="fake" if fake else "real",
+        ops=tuple(s.op for s in timeline if not s.op.startswith("prim.")),
+        live=tuple(s.live_bytes for s in timeline if not s.op.startswith("prim.")),
+    )

@@ -1,0 +1,138 @@
+"""Parse and format the sizes the CLI and the what-if queries take: ``"64k"``, ``"1M"``, ``"80GB"``.
+
+Counts (sequence lengths, batch sizes) use decimal multipliers, because that is how people
+say context lengths: ``"1k" == 1_000``, ``"64k" == 64_000``, ``"1M" == 1_000_000``,
+``"1G" == 10**9``. A binary form is accepted too: ``"1Ki" == 1024``, ``"64Ki" == 65_536``,
+``"1Mi" == 2**20``, and so are ``"2^20"``, ``"1e6"`` and ``"1_000_000"``.
+
+Byte sizes follow SI/IEC strictly: ``"80GB" == 80 * 10**9``, ``"80GiB" == 80 * 2**30``;
+``"B"`` may be omitted (``"24G"``, ``"24Gi"``). A device name (``"h100"``) is not a size;
+use :func:`gradshard.cost.devices.get_device` for that.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_count", "parse_counts", "parse_bytes", "format_count", "format_bytes", "format_flops",
+           "format_seconds"]
+
+_DECIMAL = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
+_BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
+_NUMBER = r"(?P<num>[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)"
+_COUNT_RE = re.compile(_NUMBER + r"\s*(?P<unit>[kKmMgGtTpP]i?)?$")
+_POWER_RE = re.compile(r"(?P<base>[0-9]+)\s*(?:\^|\*\*)\s*(?P<exp>[0-9]+)$")
+_BYTES_RE = re.compile(_NUMBER + r"\s*(?P<unit>[kKmMgGtTpP]i?)?\s*[bB]?$")
+
+
+def _scale(unit: str | None) -> int:
+    u = (unit or "").lower()
+    if u in _BINARY:
+        return _BINARY[u]
+    return _DECIMAL[u]
+
+
+def _to_int(value: float, text: str, what: str) -> int:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} {text!r} must be a finite non-negative number")
+    rounded = round(value)
+    if abs(value - rounded) > 1e-9 * max(1.0, abs(value)):
+        raise ValueError(f"{what} {text!r} is not a whole number ({value!r})")
+    return int(rounded)
+
+
+def parse_count(text: str | int) -> int:
+    """``"64k" -> 64000``, ``"1M" -> 1000000``, ``"64Ki" -> 65536``, ``"2^20" -> 1048576``."""
+    if isinstance(text, bool):
+        raise TypeError("a count must be an int or a string, not a bool")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"count {text} must be non-negative")
+        return text
+    s = str(text).strip()
+    m = _POWER_RE.match(s)
+    if m:
+        return int(m["base"]) ** int(m["exp"])
+    m = _COUNT_RE.match(s)
+    if not m:
+        raise ValueError(
+            f"cannot read {text!r} as a count: use digits with an optional k/M/G/T suffix "
+            "(decimal: 1k = 1000) or Ki/Mi/Gi (binary: 1Ki = 1024), e.g. '64k', '1M', '2^20'"
+        )
+    return _to_int(float(m["num"].replace("_", "")) * _scale(m["unit"]), s, "count")
+
+
+def parse_counts(text: str | int | list | tuple) -> list[int]:
+    """A comma-separated list of counts: ``"1k,64k,1M" -> [1000, 64000, 1000000]``."""
+    if isinstance(text, (list, tuple)):
+        return [parse_count(t) for t in text]
+    if isinstance(text, int):
+        return [parse_count(text)]
+    parts = [p for p in str(text).replace(" ", "").split(",") if p]
+    if not parts:
+        raise ValueError(f"empty list of counts: {text!r}")
+    return [parse_count(p) for p in parts]
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"80GB" -> 80_000_000_000``, ``"80GiB" -> 85_899_345_920``, ``"512MiB"``, ``"24G"``, ``1e9``."""
+    if isinstance(text, bool):
+        raise TypeError("a byte size must be a number or a string, not a bool")
+    if isinstance(text, (int, float)):
+        return _to_int(float(text), str(text), "byte size")
+    s = str(text).strip()
+    m = _BYTES_RE.match(s)
+    if not m:
+        raise ValueError(
+            f"cannot read {text!r} as a byte size: use a number with a unit such as '80GB' "
+            "(decimal, 10^9) or '80GiB' (binary, 2^30), e.g. '24GB', '512MiB', '1.5TB'"
+        )
+    return _to_int(float(m["num"].replace("_", "")) * _scale(m["unit"]), s, "byte size")
+
+
+def format_count(n: float) -> str:
+    """``65536 -> '65.5k'``, ``1_000_000 -> '1M'``, ``1024 -> '1.02k'`` (decimal, as people say it)."""
+    n = float(n)
+    for div, suffix in ((10**12, "T"), (10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if abs(n) >= div:
+            v = n / div
+            return f"{v:.3g}{suffix}"
+    return f"{n:.0f}" if n == int(n) else f"{n:.3g}"
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, as the allocators report them: ``85899345920 -> '80.0 GiB'``."""
+    n = float(n)
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        n /= 1024.0
+        if abs(n) < 1024 or unit == "EiB":
+            return f"{n:.3g} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_flops(n: float) -> str:
+    """``2.4e12 -> '2.4 TFLOP'``."""
+    n = float(n)
+    for div, unit in ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"),
+                      (1e3, "kFLOP")):
+        if abs(n) >= div:
+            return f"{n / div:.3g} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def format_seconds(s: float) -> str:
+    """``0.0123 -> '12.3 ms'``, ``4000 -> '1.11 h'``."""
+    if s != s or s == math.inf:
+        return str(s)
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} us"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:.3g} min"
+    return f"{s / 3600:.3g} h"

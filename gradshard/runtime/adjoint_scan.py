@@ -1,0 +1,189 @@
+"""Recurrence math for the adjoint plans: forward scans and per-shard adjoint sweeps.
+
+Two recurrence kinds, both in the canonical layout ``(batch, time, *state)``:
+
+* :class:`DiagonalRecurrence` -- ``h_t = a_t * h_{t-1} + u_t``; ``a`` broadcasts to ``u``
+  (any dim may be 1: scalar per head, shared over the batch, constant over time) or is
+  ``None`` (``a = 1``: a cumulative sum). Runs on :func:`gradshard.kernels.linear_scan` and
+  :func:`gradshard.kernels.adjoint_shard`.
+* :class:`DenseRecurrence` -- ``h_t = A_t @ h_{t-1} + u_t`` with ``A`` ``(batch, time, N, N)``
+  (batch/time may be 1) and ``u`` ``(batch, time, N, P)``. The adjoint is
+  ``lam_t = g_t + A_{t+1}^T lam_{t+1}``, ``dA_t = lam_t h_{t-1}^T``. It also backs the
+  custom op ``gradshard::dense_linear_scan`` that rolled dense loops lower to.
+
+Shard convention (both kinds, the one of ``adjoint_shard``): a shard starts from ``h0``
+(``None``: zeros) and receives ``carry = A_{S+1}^T lam_{S+1}`` from the shard after it; it
+returns ``(grad_a, grad_u, grad_h0)`` where ``grad_h0`` is the carry of the shard before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DiagonalRecurrence",
+    "DenseRecurrence",
+    "dense_scan",
+    "dense_adjoint_shard",
+    "recurrence_for",
+]
+
+
+# --------------------------------------------------------------------------- dense kernels
+
+
+def _dense_step_shapes(A: Tensor, u: Tensor) -> None:
+    if A.dim() != u.dim() or A.shape[-1] != A.shape[-2] or A.shape[-1] != u.shape[-2]:
+        raise ValueError(
+            f"dense recurrence: A must be (batch, time, N, N) and u (batch, time, N, P) with the same "
+            f"number of dims; got A {tuple(A.shape)}, u {tuple(u.shape)}"
+        )
+
+
+def _at(x: Tensor, t: int) -> Tensor:
+    return x[:, 0] if x.shape[1] == 1 else x[:, t]
+
+
+def dense_scan(A: Tensor, u: Tensor, h0: Optional[Tensor] = None) -> Tensor:
+    """``h_t = A_t @ h_{t-1} + u_t`` along dim 1 (sequential; O(T N^2 P))."""
+    _dense_step_shapes(A, u)
+    dtype = torch.promote_types(A.dtype, u.dtype)
+    shape = torch.broadcast_shapes(u.shape, (*A.shape[:-1], u.shape[-1]))
+    out = torch.empty(shape, dtype=dtype, device=u.device)
+    h = None if h0 is None else h0.to(dtype)
+    for t in range(u.shape[1]):
+        ut = _at(u, t).to(dtype)
+        h = ut.expand(out[:, t].shape) if h is None else torch.matmul(_at(A, t).to(dtype), h) + ut
+        out[:, t] = h
+    return out
+
+
+def dense_adjoint_shard(A: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor], carry: Optional[Tensor],
+                        lam: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one dense shard (see the module doc); ``lam`` given: use it (truncated)."""
+    h = dense_scan(A, u, h0)
+    if lam is None:
+        lam = torch.empty_like(g, dtype=h.dtype)
+        acc = carry.to(h.dtype) if carry is not None else None
+        for t in range(u.shape[1] - 1, -1, -1):
+            cur = g[:, t].to(h.dtype) if acc is None else g[:, t] + acc
+            lam[:, t] = cur
+            acc = _at(A, t).transpose(-1, -2) @ cur
+        grad_h0 = acc if acc is not None else torch.zeros_like(h[:, 0])
+    else:
+        grad_h0 = _at(A, 0).transpose(-1, -2) @ lam[:, 0]
+    h_prev = torch.cat([(torch.zeros_like(h[:, :1]) if h0 is None else h0.unsqueeze(1).to(h.dtype)), h[:, :-1]], 1)
+    grad_A = (lam @ h_prev.transpose(-1, -2)).sum_to_size(A.shape).to(A.dtype)
+    return grad_A, lam.to(u.dtype), grad_h0
+
+
+@torch.library.custom_op("gradshard::dense_linear_scan", mutates_args=())
+def _dense_scan_op(A: Tensor, u: Tensor, h0: Optional[Tensor]) -> Tensor:
+    """``h_t = A_t @ h_{t-1} + u_t`` (time dim 1); the op rolled dense loops lower to."""
+    return dense_scan(A, u, h0)
+
+
+@_dense_scan_op.register_fake
+def _dense_scan_fake(A: Tensor, u: Tensor, h0: Optional[Tensor]) -> Tensor:
+    shape = torch.broadcast_shapes(u.shape, (*A.shape[:-1], u.shape[-1]))
+    return u.new_empty(shape, dtype=torch.promote_types(A.dtype, u.dtype))
+
+
+def _dense_setup(ctx, inputs, output) -> None:
+    A, u, h0 = inputs
+    ctx.has_h0 = h0 is not None
+    ctx.save_for_backward(A, u, h0)
+
+
+def _dense_backward(ctx, grad: Tensor):
+    A, u, h0 = ctx.saved_tensors
+    dA, du, dh0 = dense_adjoint_shard(A, u, grad, h0, None)
+    return dA, du.sum_to_size(u.shape), (dh0 if ctx.has_h0 else None)
+
+
+_dense_scan_op.register_autograd(_dense_backward, setup_context=_dense_setup)
+
+
+def dense_linear_scan(A: Tensor, u: Tensor, h0: Optional[Tensor] = None) -> Tensor:
+    """Differentiable dense scan (``torch.ops.gradshard.dense_linear_scan``)."""
+    _dense_step_shapes(A, u)
+    return torch.ops.gradshard.dense_linear_scan(A, u, h0)
+
+
+# --------------------------------------------------------------------------- recurrence kinds
+
+
+@dataclass(frozen=True)
+class DiagonalRecurrence:
+    """``h_t = a_t * h_{t-1} + u_t`` (``a`` broadcast to ``u``; ``None`` means 1)."""
+
+    kind: str = "diagonal"
+
+    def coeff(self, a: Optional[Tensor], u: Tensor) -> Tensor:
+        if a is not None:
+            return a
+        return torch.ones((1,) * u.dim(), dtype=u.dtype, device=u.device)
+
+    def scan(self, a: Optional[Tensor], u: Tensor, h0: Optional[Tensor]) -> Tensor:
+        from gradshard.kernels import linear_scan
+
+        a = self.coeff(a, u)
+        if h0 is not None and h0.dtype != u.dtype:
+            h0 = h0.to(u.dtype)
+        return linear_scan(a, u, h0)
+
+    def adjoint_shard(self, a: Optional[Tensor], u: Tensor, g: Tensor, h0: Optional[Tensor],
+                      carry: Optional[Tensor]) -> tuple[Optional[Tensor], Tensor, Tensor]:
+        from gradshard.kernels import adjoint_shard
+
+        da, du, dh0 = adjoint_shard(self.coeff(a, u), u, g.to(u.dtype), h0, carry)
+        return (da if a is not None else None), du, dh0
+
+    def grads_from_lam(self, a: Optional[Tensor], h: Tensor, h0: Optional[Tensor], lam: Tensor,
+                       ) -> tuple[Optional[Tensor], Tensor, Tensor]:
+        """``(grad_a, grad_u, grad_h0)`` for a given adjoint ``lam`` (truncated plan)."""
+        h_prev = torch.cat([(torch.zeros_like(h[:, :1]) if h0 is None else h0.unsqueeze(1).to(h.dtype)), h[:, :-1]], 1)
+        da = None if a is None else (lam * h_prev).sum_to_size(a.shape).to(a.dtype)
+        a0 = self.coeff(a, lam)
+        dh0 = (a0[:, 0] * lam[:, 0]).sum_to_size(lam[:, 0].shape) if lam.shape[1] else torch.zeros_like(h[:, 0])
+        return da, lam, dh0
+
+    def transpose_apply(self, a_t: Tensor, lam: Tensor) -> Tensor:
+        return a_t * lam
+
+
+@dataclass(frozen=True)
+class DenseRecurrence:
+    """``h_t = A_t @ h_{t-1} + u_t`` with ``A`` ``(batch, time, N, N)``."""
+
+    kind: str = "dense"
+
+    def scan(self, a: Tensor, u: Tensor, h0: Optional[Tensor]) -> Tensor:
+        return dense_scan(a, u, h0)
+
+    def adjoint_shard(self, a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor],
+                      carry: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        return dense_adjoint_shard(a, u, g, h0, carry)
+
+    def grads_from_lam(self, a: Tensor, h: Tensor, h0: Optional[Tensor], lam: Tensor,
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+        h_prev = torch.cat([(torch.zeros_like(h[:, :1]) if h0 is None else h0.unsqueeze(1).to(h.dtype)), h[:, :-1]], 1)
+        dA = (lam @ h_prev.transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
+        dh0 = _at(a, 0).transpose(-1, -2) @ lam[:, 0]
+        return dA, lam, dh0
+
+    def transpose_apply(self, a_t: Tensor, lam: Tensor) -> Tensor:
+        return a_t.transpose(-1, -2) @ lam
+
+
+def recurrence_for(kind: str) -> DiagonalRecurrence | DenseRecurrence:
+    """The recurrence object for ``kind`` (``"diagonal"`` or ``"dense"``)."""
+    if kind == "dense":
+        return DenseRecurrence()
+    if kind == "diagonal":
+        return DiagonalRecurrence()
+    raise ValueError(f"unknown recurrence kind {kind!r}")
