@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 import os
 import platform
 import statistics
@@ -62,7 +63,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 __all__ = [
     "LiveSample",
@@ -241,6 +247,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._force_eager = force_eager
         self._stance: Any = None
         self._device = None if device is None else torch.device(device)
+        self._counts = self._make_device_predicate()
         self._record_timeline = timeline
         self._lock = threading.RLock()
         self._alive: dict[int, _StorageRef] = {}  # storages allocated inside the context
@@ -457,15 +464,17 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._samples.append((func, self._live, phase))
         del storages
 
-    def _counts(self, t: torch.Tensor) -> bool:
+    def _make_device_predicate(self) -> Callable[[torch.Tensor], bool]:
+        """A fast ``tensor -> counted?`` test (called for every op output)."""
         device = self._device
         if device is None:
-            return not t.is_meta
+            return lambda t: not t.is_meta
         if device.type == "cpu":
-            return t.is_cpu
-        if device.type == "cuda":
-            return t.is_cuda and (device.index is None or t.get_device() == device.index)
-        return self.counts_device(t.device)
+            return operator.attrgetter("is_cpu")
+        if device.type == "cuda" and device.index is not None:
+            index = device.index
+            return lambda t: t.is_cuda and t.get_device() == index
+        return lambda t: self.counts_device(t.device)
 
     def _add_live(self, nbytes: int, func: Any, phase: str) -> None:
         self._live += nbytes
@@ -602,6 +611,9 @@ def _triton_kernel_of(func: HigherOrderOperator, kwargs: dict) -> Any:
     return kernel
 
 
+_SHAPE_WRAPPER_CODE = shape_wrapper(lambda: 0).__code__
+
+
 def _shapes(obj: Any) -> Any:
     """``obj`` with every tensor replaced by its shape (what ``shape_wrapper`` passes on)."""
     if isinstance(obj, torch.Tensor):
@@ -619,10 +631,9 @@ def _apply_flop_formula(formula: Callable[..., int], args: tuple, kwargs: dict, 
     Registry entries are ``shape_wrapper(f)`` (``functools.wraps``: ``__wrapped__`` is ``f``),
     which calls ``f`` on shapes with ``out_shape=``; raw formulas take the tensors.
     """
-    inner = getattr(formula, "__wrapped__", None)
-    if inner is None:
+    if getattr(formula, "__code__", None) is not _SHAPE_WRAPPER_CODE:
         return formula(*args, **kwargs, out_val=out)
-    return inner(*_shapes(args), out_shape=_shapes(out), **_shapes(kwargs))
+    return formula.__wrapped__(*_shapes(args), out_shape=_shapes(out), **_shapes(kwargs))
 
 
 def _has_composite_implicit(func: Any) -> bool:

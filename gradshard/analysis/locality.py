@@ -377,7 +377,11 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
                    and len(src_ti.time_dims) == 0 and _unbind_was_time(src, info))
     if tgt is operator.getitem and src_ti is not None and not unbind_time:
         return src_ti  # element of a multi-output op: same facts
-    out_len = (shape_of(node) or ())[tdims[0]] if tdims and shape_of(node) else 1
+    out_shape = shape_of(node)
+    if out_shape is None and isinstance(node.meta.get("val"), (tuple, list)) and node.meta["val"]:
+        first_val = node.meta["val"][0]  # multi-output op: facts of its first output
+        out_shape = tuple(first_val.shape) if isinstance(first_val, torch.Tensor) else None
+    out_len = out_shape[tdims[0]] if tdims and out_shape else 1
     # a length-1 time dim broadcast over a longer one is one absolute step, not a position
     single = {a.name for a, i in timed if i.time_dims and _time_len(a, i) == 1 and out_len > 1}
     with_t = [(a, i) for a, i in timed if i.time_dims and a.name not in single]
@@ -511,6 +515,9 @@ def _latest(node: fx.Node, ti: TimeInfo) -> float:
 
 def _time_len(node: fx.Node, ti: TimeInfo) -> int:
     shp = shape_of(node)
+    if shp is None and isinstance(node.meta.get("val"), (tuple, list)) and node.meta["val"]:
+        v = node.meta["val"][0]
+        shp = tuple(v.shape) if isinstance(v, torch.Tensor) else None
     return shp[ti.time_dims[0]] if shp and ti.time_dims else 1
 
 

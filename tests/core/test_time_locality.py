@@ -18,7 +18,7 @@ INF = math.inf
 
 def _analyze(model, x, **kw):
     cap = capture(model, (x,))
-    return cap, analyze_time_locality(cap.gm, **kw)
+    return cap, analyze_time_locality(cap.gm, example_inputs=cap.example_inputs, **kw)
 
 
 def _out(cap):

@@ -1,0 +1,87 @@
+"""Causal attention of one chunk of queries against the KV cache plus the chunk itself.
+
+Queries are steps ``[s, e)``; keys/values are the cached steps ``[0, s)`` (``k_past``) and
+the chunk's own steps ``[s, e)`` (``k_cur``). With the row-wise log-sum-exps ``l_p`` and
+``l_c`` of the two parts::
+
+    o = o_p * exp(l_p - l) + o_c * exp(l_c - l),      l = logaddexp(l_p, l_c)
+
+where ``o_p`` is unmasked attention over the past and ``o_c`` causal attention inside the
+chunk. The backward runs the flash backward of each part with the *merged* ``o`` and
+``l`` (its softmax probabilities ``exp(s - l)`` are then the global ones), so no
+``(e - s) x s`` score matrix is ever stored: memory is the cache plus O(chunk).
+Grouped-query attention is native (key head ``h // n_rep`` serves query head ``h``).
+
+On CPU this uses ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``);
+elsewhere it falls back to ``F.scaled_dot_product_attention`` with an explicit
+bottom-right causal mask over the concatenated keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["prefix_attention", "prefix_attention_reference"]
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+class _PrefixFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kp, vp, kc, vc, scale):  # type: ignore[override]
+        oc, lc = _flash(q, kc, vc, 0.0, True, scale=scale)
+        if kp is None:
+            o, lse = oc, lc
+        else:
+            op, lp = _flash(q, kp, vp, 0.0, False, scale=scale)
+            lse = torch.logaddexp(lp, lc)
+            o = op * torch.exp(lp - lse).unsqueeze(-1).to(op.dtype) + oc * torch.exp(lc - lse).unsqueeze(-1).to(oc.dtype)
+        ctx.scale = scale
+        ctx.has_past = kp is not None
+        ctx.save_for_backward(q, kp if kp is not None else q.new_empty(0), vp if vp is not None else q.new_empty(0),
+                              kc, vc, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        q, kp, vp, kc, vc, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        dq, dkc, dvc = _flash_bwd(do, q, kc, vc, o, lse, 0.0, True, scale=ctx.scale)
+        dkp = dvp = None
+        if ctx.has_past:
+            dqp, dkp, dvp = _flash_bwd(do, q, kp, vp, o, lse, 0.0, False, scale=ctx.scale)
+            dq = dq + dqp
+        return dq, dkp, dvp, dkc, dvc, None
+
+
+def _usable_flash(q: torch.Tensor, *rest: torch.Tensor | None) -> bool:
+    ts = [q, *[t for t in rest if t is not None]]
+    return all(t.device.type == "cpu" and t.dtype == q.dtype for t in ts) and q.dtype in _FLASH_DTYPES
+
+
+def prefix_attention(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch.Tensor | None,
+                     k_cur: torch.Tensor, v_cur: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Attention of queries ``q`` (B, H, c, D) at steps ``[s, s+c)`` over keys ``[0, s+c)``.
+
+    ``k_past``/``v_past``: (B, Hkv, s, D) or None when ``s == 0``; ``k_cur``/``v_cur``:
+    (B, Hkv, c, D). ``H`` must be a multiple of ``Hkv``.
+    """
+    if k_past is not None and k_past.shape[-2] == 0:
+        k_past = v_past = None
+    if _usable_flash(q, k_past, v_past, k_cur, v_cur):
+        return _PrefixFlash.apply(q, k_past, v_past, k_cur, v_cur, scale)
+    return prefix_attention_reference(q, k_past, v_past, k_cur, v_cur, scale)
+
+
+def prefix_attention_reference(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch.Tensor | None,
+                               k_cur: torch.Tensor, v_cur: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Same result with plain SDPA and an explicit bottom-right causal mask (any device)."""
+    k = k_cur if k_past is None else torch.cat([k_past, k_cur], dim=-2)
+    v = v_cur if v_past is None else torch.cat([v_past, v_cur], dim=-2)
+    c, total = q.shape[-2], k.shape[-2]
+    mask = torch.ones(c, total, dtype=torch.bool, device=q.device).tril(total - c)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[-3] != k.shape[-3])
