@@ -158,6 +158,28 @@ class CompiledModule(nn.Module):
             return matches[-1].after
         return recs[index].after if recs else self._entry().original.code
 
+    # ---------------------------------------------------------------- partial updates
+
+    def _partial(self) -> Any:
+        api = self.__dict__.get("_partial_api")
+        if api is None:
+            raise GradshardError("parameter slices exist for plan='partial_update' only, after the "
+                                 f"first call (this module uses plan={self.plan!r})")
+        return api
+
+    def parameter_slices(self) -> dict[str, tuple[str, tuple[int, int, int]]]:
+        """``{slice_name: (original_name, (dim, start, stop))}``; ``slice_name`` is in
+        ``named_parameters()``, ``original_name`` the user's qualified name (partial_update)."""
+        return self._partial().parameter_slices()
+
+    def full_parameters(self, names: Any = None) -> dict[str, torch.Tensor]:
+        """Full (unsliced) parameter values under the user's names (partial_update)."""
+        return self._partial().full_parameters(names)
+
+    def load_full_parameters(self, params: dict[str, torch.Tensor]) -> None:
+        """Write full parameter values back into the slices (partial_update)."""
+        return self._partial().load_full_parameters(params)
+
     def explain(self) -> str:
         """A human summary: plan, regions with source lines, passes, and the stage program."""
         e = self._entry()

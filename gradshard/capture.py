@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -40,6 +41,8 @@ from .errors import CaptureError
 __all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key"]
 
 FRONTENDS = ("python", "fx", "dynamo")
+# Tracing swaps global dispatch state; ranks run as threads in tests and share it.
+_TRACE_LOCK = threading.RLock()
 
 
 # --------------------------------------------------------------------------- outputs
@@ -374,12 +377,11 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     correctly, at the price of decomposing composite ops (``linear`` becomes
     ``t``+``addmm``). A graph that still holds a constant requiring grad is rejected.
     """
-    with _record_module_stack(modules):
+    with _TRACE_LOCK, _record_module_stack(modules):  # make_fx is not thread-safe
         gm = make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*example)
-    if _trainable_constants(gm):
-        with _record_module_stack(modules):
+        if _trainable_constants(gm):
             gm = make_fx(fn, pre_dispatch=False, record_stack_traces=True)(*example)
-        gm.meta["gs_dispatch_level"] = "post"
+            gm.meta["gs_dispatch_level"] = "post"
     _check_no_trainable_constants(gm)
     return gm
 

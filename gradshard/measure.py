@@ -59,10 +59,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import (
     flop_registry,
     sdpa_backward_flop_count,

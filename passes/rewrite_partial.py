@@ -178,9 +178,7 @@ class _Attach:
                 region.layer = registry.layers[key]  # a later capture reuses the same parameters
             else:
                 registry.layers[key] = region.layer
-        for name in ("parameter_slices", "full_parameters", "load_full_parameters"):
-            if not hasattr(type(cm), name):
-                setattr(cm, name, getattr(_CompiledPartial(cm), name))
+        cm._partial_api = _CompiledPartial(cm)  # behind CompiledModule.parameter_slices() etc.
 
 
 class _CompiledPartial:

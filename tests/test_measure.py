@@ -34,9 +34,10 @@ N = 1000
 
 
 def _no_instrumentation_left() -> bool:
-    """No dispatch mode, no saved-tensor hooks and no saved recorder remain installed."""
+    """No dispatch mode, saved-tensor hooks, saved recorder or compiler stance remain."""
     return (
         not _get_current_dispatch_mode_stack()
+        and torch._dynamo.eval_frame._stance.stance == "default"
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         and _saved_stack() == []
     )

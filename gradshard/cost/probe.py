@@ -344,6 +344,33 @@ def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options:
     return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False)
 
 
+def _grad_step(cm: nn.Module, loss_fn: Callable | None) -> Callable[..., torch.Tensor]:
+    """The priced step for fake tensors: gradients via ``autograd.grad`` instead of ``.backward()``.
+
+    ``.backward()`` hands a leaf's first gradient to ``.grad`` without a copy when nothing
+    else references it; a fake tensor is a Python tensor subclass, whose Python object always
+    holds a reference, so ``AccumulateGrad`` would clone instead and the probe would see a
+    transient copy of every parameter gradient that a real step never allocates.
+    ``autograd.grad`` returns the same gradient buffers without ``AccumulateGrad``; holding
+    them until the step ends is what ``.grad`` does in the real step.
+    """
+    loss_of = loss_fn or default_loss
+
+    def step(*inputs: Any) -> torch.Tensor:
+        seen: set[int] = set()
+        leaves = []
+        for t in [*cm.parameters(), *_tensor_leaves(inputs)]:
+            if t.requires_grad and t.is_leaf and id(t) not in seen:
+                seen.add(id(t))
+                leaves.append(t)
+        loss = loss_of(cm(*inputs))
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        step.grads = grads  # type: ignore[attr-defined]  # alive until the probe reads the tracker
+        return loss.detach()
+
+    return step
+
+
 def _state_bytes(target: Any, inputs: Any) -> int:
     mods = [m for m in pytree.tree_leaves((target, inputs)) if isinstance(m, nn.Module)]
     seen: set[int] = set()
@@ -371,7 +398,7 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
     state, trainable = _state_of(cm)
     input_bytes = sum(t.numel() * t.element_size() for t in _tensor_leaves(finputs))
     device = next((t.device for t in _tensor_leaves(finputs)), torch.device("cpu"))
-    step = make_step(cm, loss_fn)
+    step = _grad_step(cm, loss_fn) if fake else make_step(cm, loss_fn)
     tracker = LiveTensorTracker(device=device, timeline=True)
     flops = _PhaseFlops()
     saved = _SavedBytes(tracker)
