@@ -48,12 +48,13 @@ class CompiledGraph:
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, options: dict[str, Any],
                   *, captured: Captured | None = None, time_axis: tuple[int, int] | None = None,
+                  backend: str | None = None,
                   progress: Callable[[str], None] | None = None) -> CompiledGraph:
     """Run ``plan``'s pipeline on an aten graph and schedule the result."""
     spec = get_plan(plan)
     opts = spec.make_options(**options)
     ctx = PassContext(plan=plan, options=opts, example_inputs=example_inputs, captured=captured,
-                      strict=spec.needs_time_axis, time_axis=time_axis)
+                      strict=spec.needs_time_axis, time_axis=time_axis, backend=backend)
     original = fx.GraphModule(gm, gm.graph)  # shares the graph; passes build new graphs
     original.graph = _copy_graph(gm)
     out_gm, records = run_passes(gm, spec.load_passes(), ctx, progress)
@@ -78,7 +79,7 @@ class CompiledModule(nn.Module):
 
     def __init__(self, target: nn.Module | Callable[..., Any], plan: str = "none", *,
                  frontend: str = "python", time_axis: tuple[int, int] | None = None,
-                 **options: Any) -> None:
+                 backend: str | None = None, **options: Any) -> None:
         super().__init__()
         spec = get_plan(plan)
         spec.make_options(**options)  # fail fast on bad options
@@ -86,6 +87,7 @@ class CompiledModule(nn.Module):
         self.options = options
         self.frontend = frontend
         self.time_axis = time_axis
+        self.backend = backend
         if isinstance(target, nn.Module):
             self.model = target
         else:
@@ -116,7 +118,7 @@ class CompiledModule(nn.Module):
                 log.info("gradshard: new input signature, capturing again (%d cached)", len(self._cache))
             cap = capture(self.target, args, kwargs, frontend=self.frontend)
             entry = compile_graph(cap.gm, cap.example_inputs, self.plan, self.options,
-                                  captured=cap, time_axis=self.time_axis)
+                                  captured=cap, time_axis=self.time_axis, backend=self.backend)
             hook = getattr(entry.gm, "gs_attach", None)
             if callable(hook):
                 hook(self)
@@ -198,16 +200,19 @@ class CompiledModule(nn.Module):
 
 
 def compile(model_or_fn: nn.Module | Callable[..., Any], plan: str = "none", *, frontend: str = "python",
-            time_axis: tuple[int, int] | None = None, **options: Any) -> CompiledModule:
+            time_axis: tuple[int, int] | None = None, backend: str | None = None,
+            **options: Any) -> CompiledModule:
     """Compile ``model_or_fn`` with ``plan`` (see ``gs.plans()`` and DESIGN.md for options).
 
     ``frontend`` picks the capture front door (``"python"``, ``"fx"``, ``"dynamo"``);
-    ``time_axis=(input_index, dim)`` overrides time-axis inference.
+    ``time_axis=(input_index, dim)`` overrides time-axis inference; ``backend`` forces the
+    kernel backend (``"torch"`` or ``"triton"``; default: Triton on CUDA, torch elsewhere).
     """
-    return CompiledModule(model_or_fn, plan, frontend=frontend, time_axis=time_axis, **options)
+    return CompiledModule(model_or_fn, plan, frontend=frontend, time_axis=time_axis, backend=backend, **options)
 
 
-def backend(plan: str = "none", **options: Any) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
+def backend(plan: str = "none", *, kernel_backend: str | None = None,
+            **options: Any) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
     """A ``torch.compile`` backend running gradshard's pipeline on Dynamo's graph.
 
     ``torch.compile(model, backend=gs.backend(plan="adjoint", shard_size=128))``. Dynamo
@@ -221,7 +226,7 @@ def backend(plan: str = "none", **options: Any) -> Callable[[fx.GraphModule, lis
         if any(not isinstance(x, torch.Tensor) for x in example_inputs):
             raise GradshardError("gs.backend needs static shapes: use torch.compile(..., dynamic=False)")
         aten_gm = capture_graph_module(gm, example_inputs)
-        entry = compile_graph(aten_gm, example_inputs, plan, options)
+        entry = compile_graph(aten_gm, example_inputs, plan, options, backend=kernel_backend)
         compiled.append(entry)
 
         def run(*args: Any) -> Any:

@@ -87,8 +87,13 @@ _graph_task_id = torch._C._current_graph_task_id  # -1 outside the autograd engi
 # Outputs of these ops are new storages although their schemas say they alias an input:
 # lift_fresh returns a constant created outside the dispatcher (``torch.tensor([...])``).
 _ALWAYS_NEW = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
-# Ops whose schemas promise fresh outputs but which may return a view of an input.
-_SCHEMA_LIES = {torch.ops.aten._unsafe_view.default}
+# Ops whose schemas promise fresh outputs but which return views of an input.
+_SCHEMA_LIES = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.unsafe_chunk.default,
+    torch.ops.aten.unsafe_split.Tensor,
+    torch.ops.aten.unsafe_split_with_sizes.default,
+}
 _FRESH_OUTPUTS: dict[Any, bool] = {}
 
 
@@ -782,7 +787,7 @@ def _cpu_model() -> str:
 
 
 def describe_device(device: torch.device | str) -> str:
-    """A one-line description of ``device`` for reports, e.g. ``'cuda:0 (NVIDIA H100, 79.2 GiB)'``."""
+    """One line describing ``device`` for reports: ``'cuda:0 (NVIDIA H100, 79.2 GiB)'``."""
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -831,7 +836,7 @@ class Measurement:
     """
 
     peak_bytes: int
-    """Peak live bytes during the step, above the baseline (allocator on CUDA, tracker elsewhere)."""
+    """Peak live bytes during the step above the baseline (allocator on CUDA, else tracker)."""
     saved_bytes: int
     """Distinct storages saved for backward that were allocated during the step (activations)."""
     saved_bytes_total: int
@@ -913,7 +918,9 @@ class Measurement:
         table.add_row("FLOPs", format_flops(self.flops), f"{self.num_ops} ops")
         table.add_row("  forward", format_flops(self.forward_flops), "")
         table.add_row(
-            "  backward", format_flops(self.backward_flops), f"{self.backward_ops} ops (incl. recompute)"
+            "  backward",
+            format_flops(self.backward_flops),
+            f"{self.backward_ops} ops (incl. recompute)",
         )
         if self.seconds is not None:
             table.add_row(

@@ -43,6 +43,7 @@ class PassContext:
     analyses: dict[str, Any] = field(default_factory=dict)
     strict: bool = True  # plan "none" runs detection non-strictly (findings only)
     time_axis: tuple[int, int] | None = None  # user hint: (input index, dim)
+    backend: str | None = None  # kernel backend override: "torch" | "triton" | None (auto)
 
     def invalidate(self, *names: str) -> None:
         for n in names or list(self.analyses):

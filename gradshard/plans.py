@@ -97,7 +97,8 @@ class PlanSpec:
 
     def load_passes(self) -> list[Callable]:
         out = []
-        for ref in self.passes:
+        # Lowering runs after every plan's own passes: it needs the final graph and region modules.
+        for ref in (*self.passes, *_LOWER):
             mod, _, fn = ref.partition(":")
             try:
                 out.append(getattr(importlib.import_module(f"gradshard.passes.{mod}"), fn))
@@ -120,6 +121,9 @@ def _validate(name: str, opts: Any) -> None:
 _DETECT = (
     "annotate_time:annotate_time_locality",
 )
+
+# Common tail of every pipeline (appended by PlanSpec.load_passes).
+_LOWER = ("lower_kernels:lower_kernels",)
 
 PLANS: dict[str, PlanSpec] = {}
 

@@ -140,10 +140,13 @@ def build_program(gm: fx.GraphModule) -> Program:
         name = f"{block or 'segment'}#{seg_id}"
         seg_id += 1
         saved = sum(c.out_bytes for c in costs)
+        kernels = sorted({n.meta["gs_kernel"] for n in nodes if "gs_kernel" in n.meta})
+        kernel = "torch" + "".join(f" + {k}" for k in kernels)
         fs = Stage(name=name, kind="forward", phase="forward", nodes=tuple(n.name for n in nodes),
-                   memory_bytes=saved, flops=sum(c.fwd_flops for c in costs))
+                   memory_bytes=saved, flops=sum(c.fwd_flops for c in costs), kernel=kernel)
         bs = Stage(name=f"{name}:backward", kind="autograd_backward", phase="backward",
-                   nodes=fs.nodes, memory_bytes=0, flops=sum(c.bwd_flops for c in costs), note=name)
+                   nodes=fs.nodes, memory_bytes=0, flops=sum(c.bwd_flops for c in costs), note=name,
+                   kernel=kernel)
         forward.append(fs)
         backward_of[name] = [bs]
         dag.add_node(name, stage=fs)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx as fx
 
-__all__ = ["copy_graph_module", "fake_run", "set_val", "topo_index", "tensor_args"]
+__all__ = ["copy_graph_module", "fake_run", "set_val", "topo_index", "tensor_args", "live_nodes", "live_users"]
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -21,33 +21,36 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _fake_mode(vals: Iterable[Any]):
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode(list(vals))
-
-
 def fake_run(fn: Callable[..., Any], args: tuple, kwargs: dict | None = None) -> Any:
-    """Run ``fn`` on the ``meta['val']`` of the fx nodes in ``args`` (fake tensors)."""
+    """Run ``fn`` on fresh fake tensors shaped like the ``meta['val']`` of the nodes in ``args``.
+
+    (Captured graphs may hold values from several fake modes; one new mode is used here.)
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     kwargs = kwargs or {}
-    vals: list[Any] = []
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def val_of(a: Any) -> Any:
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
-            vals.append(v)
-            return v
+            return _refake(v, mode)
         return a
 
-    fargs = fx.node.map_aggregate(args, val_of)
-    fkwargs = fx.node.map_aggregate(kwargs, val_of)
-    mode = _fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
+        fargs = fx.node.map_aggregate(args, val_of)
+        fkwargs = fx.node.map_aggregate(kwargs, val_of)
         return fn(*fargs, **fkwargs)
+
+
+def _refake(v: Any, mode: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        with mode:
+            t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+        return t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point else t
+    if isinstance(v, (list, tuple)):
+        return type(v)(_refake(x, mode) for x in v)
+    return v
 
 
 def set_val(node: fx.Node, fn: Callable[..., Any] | None = None) -> None:
@@ -66,3 +69,21 @@ def topo_index(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
+
+
+def live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes the output depends on (make_fx keeps dead ``detach``/views; they do not count as uses)."""
+    live: set[fx.Node] = set()
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    stack = [out]
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        stack.extend(n.all_input_nodes)
+    return live
+
+
+def live_users(node: fx.Node, live: set[fx.Node]) -> list[fx.Node]:
+    return [u for u in node.users if u in live]

@@ -37,11 +37,10 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from ..capture import capture, flatten_output
 from ..errors import GradshardError
-from ..measure import LiveTensorTracker
+from ..measure import LiveTensorTracker, _StepInstrument  # the instrument gs.measure uses
 
 __all__ = ["InputAxes", "ProbeSample", "CostProbeError", "default_loss", "find_input_axes",
            "resize_inputs", "fake_clone", "make_step", "run_probe", "REAL_FALLBACK_MAX_BYTES"]
@@ -144,14 +143,20 @@ def find_input_axes(target: Any, example_inputs: Sequence[Any], *, time_axis: tu
             "\n  instead: pass time_axis=(input_index, dim) to gs.cost") from exc
     phs = [p for p in cap.gm.graph.find_nodes(op="placeholder")][cap.num_state:]
     time = [dims.axes_in_class(p, cls) for p in phs]
+    # Batch-first convention: when dim 0 of an input lands in the time class together with
+    # other dims (an op the dims analysis cannot see through merged the batch and time
+    # classes), dim 0 is the batch and the others are time.
+    merged = [0 in t and len(t) > 1 for t in time]
+    time = [tuple(d for d in t if d != 0) if m else t for t, m in zip(time, merged)]
     batch_cls = None
     for p, t in zip(phs, time):
         shape = tuple(p.meta["val"].shape)
         if t and len(shape) >= 2 and 0 not in t:
             batch_cls = dims.canon(dims.input_labels[p.name][0])
             break
-    batch = [dims.axes_in_class(p, batch_cls) if batch_cls is not None else () for p in phs]
-    batch = [tuple(d for d in b if d not in t) for b, t in zip(batch, time)]
+    batch = [dims.axes_in_class(p, batch_cls) if batch_cls is not None and not any(merged) else ()
+             for p in phs]
+    batch = [(0,) if m else tuple(d for d in b if d not in t) for b, t, m in zip(batch, time, merged)]
     seq_len = next((int(p.meta["val"].shape[t[0]]) for p, t in zip(phs, time) if t), 0)
     if not seq_len:
         raise CostProbeError("no example input carries the time axis the analysis found; pass "
@@ -186,31 +191,38 @@ def resize_inputs(example_inputs: Sequence[Any], axes: InputAxes, batch: int, se
 # --------------------------------------------------------------------------- fake copies
 
 
-def fake_clone(tree: Any, mode: FakeTensorMode) -> Any:
+def fake_clone(tree: Any, mode: FakeTensorMode, originals: dict[int, torch.Tensor] | None = None) -> Any:
     """A copy of ``tree`` (modules and tensors) whose parameters, buffers and tensors are fake.
 
     Modules are deep-copied with their state replaced by meta tensors first (nothing real is
     copied, so this is cheap for any model size), then every state tensor becomes a fake
-    tensor on the original device; shared (tied) tensors stay shared.
+    tensor on the original device; shared (tied) tensors stay shared. ``originals``, when
+    given, receives ``id(fake) -> original tensor`` for every fake made.
     """
-    modules = [m for m in pytree.tree_leaves(tree) if isinstance(m, nn.Module)]
+    originals = {} if originals is None else originals
+    modules = [m for m in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nn.Module))
+               if isinstance(m, nn.Module)]
     memo: dict[int, Any] = {}
-    devices: dict[int, torch.device] = {}
+    source: dict[int, torch.Tensor] = {}
     for m in modules:
         for t in [*m.parameters(), *m.buffers()]:
             if id(t) in memo:
                 continue
             meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-            devices[id(memo[id(t)])] = t.device
+            source[id(memo[id(t)])] = t
     fakes: dict[int, torch.Tensor] = {}
 
     def to_fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
-            f = mode.fake_tensor_converter.from_meta_and_device(mode, t, devices.get(id(t), torch.device("cpu")))
+            real = source.get(id(t))
+            device = real.device if real is not None else torch.device("cpu")
+            f = mode.fake_tensor_converter.from_meta_and_device(mode, t, device)
             if t.requires_grad:
                 f.requires_grad_(True)
             fakes[id(t)] = f
+            if real is not None:
+                originals[id(f)] = real
         return fakes[id(t)]
 
     def convert(x: Any) -> Any:
@@ -225,7 +237,9 @@ def fake_clone(tree: Any, mode: FakeTensorMode) -> Any:
                         sub._buffers[k] = to_fake(b)
             return m
         if isinstance(x, torch.Tensor):
-            return mode.from_tensor(x)
+            f = mode.from_tensor(x)
+            originals[id(f)] = x
+            return f
         return x
 
     return pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, nn.Module))
@@ -238,23 +252,6 @@ def _real_clone(tree: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- recording
-
-
-class _PhaseFlops(FlopCounterMode):
-    """FLOP counter that also sums the FLOPs of ops run by the autograd engine."""
-
-    def __init__(self) -> None:
-        super().__init__(display=False)
-        self.backward_flops = 0
-
-    def _count_flops(self, func_packet, out, args, kwargs):
-        if _graph_task_id() == -1 or func_packet not in self.flop_registry:
-            return super()._count_flops(func_packet, out, args, kwargs)
-        per_op = self.flop_counts["Global"]
-        before = per_op.get(func_packet, 0)
-        result = super()._count_flops(func_packet, out, args, kwargs)
-        self.backward_flops += per_op.get(func_packet, 0) - before
-        return result
 
 
 class _SavedBytes:
@@ -344,6 +341,28 @@ def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options:
     return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False)
 
 
+def _compile_at(cm: Any, inputs: tuple, originals: dict[int, torch.Tensor]) -> Any:
+    """Capture ``cm``'s target at ``inputs`` and run the plan's passes, as ``cm(*inputs)`` would.
+
+    The graph is traced with the fake tensors, but the passes receive the *real* parameter,
+    buffer and input values as ``example_inputs``: analyses read constants through them
+    (e.g. whether a decay mask is causal), and a fake tensor has no values to read. The entry
+    is installed in ``cm``'s specialisation cache, so calling ``cm`` runs it.
+    """
+    from ..api import compile_graph
+    from ..capture import guard_key
+
+    cap = capture(cm.target, inputs, {}, frontend=cm.frontend)
+    example = [originals.get(id(t), t) for t in cap.example_inputs]
+    entry = compile_graph(cap.gm, example, cm.plan, cm.options, captured=cap, time_axis=cm.time_axis)
+    hook = getattr(entry.gm, "gs_attach", None)
+    if callable(hook):
+        hook(cm)
+    cm._cache[guard_key(inputs, {})] = entry
+    cm._last = entry
+    return entry
+
+
 def _grad_step(cm: nn.Module, loss_fn: Callable | None) -> Callable[..., torch.Tensor]:
     """The priced step for fake tensors: gradients via ``autograd.grad`` instead of ``.backward()``.
 
@@ -359,7 +378,8 @@ def _grad_step(cm: nn.Module, loss_fn: Callable | None) -> Callable[..., torch.T
     def step(*inputs: Any) -> torch.Tensor:
         seen: set[int] = set()
         leaves = []
-        for t in [*cm.parameters(), *_tensor_leaves(inputs)]:
+        cap = cm._last.captured
+        for t in [*cap.params, *cm.parameters(), *_tensor_leaves(inputs)]:
             if t.requires_grad and t.is_leaf and id(t) not in seen:
                 seen.add(id(t))
                 leaves.append(t)
@@ -388,28 +408,28 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
                 fake: bool) -> ProbeSample:
     from ..api import compile as gs_compile
 
+    originals: dict[int, torch.Tensor] = {}
     if fake:
         fmode = FakeTensorMode(allow_non_fake_inputs=True)
-        ftarget, finputs = fake_clone((target, inputs), fmode)
+        ftarget, finputs = fake_clone((target, inputs), fmode, originals)
     else:
         ftarget, finputs = _real_clone((target, inputs))
     cm = gs_compile(ftarget, plan, frontend=frontend, time_axis=time_axis, **options)
-    cm(*finputs)  # capture + compile at this size (not part of the priced step)
+    _compile_at(cm, finputs, originals)  # capture + passes at this size (not part of the priced step)
     state, trainable = _state_of(cm)
     input_bytes = sum(t.numel() * t.element_size() for t in _tensor_leaves(finputs))
     device = next((t.device for t in _tensor_leaves(finputs)), torch.device("cpu"))
     step = _grad_step(cm, loss_fn) if fake else make_step(cm, loss_fn)
-    tracker = LiveTensorTracker(device=device, timeline=True)
-    flops = _PhaseFlops()
+    tracker = _StepInstrument(device=device, timeline=True)
     saved = _SavedBytes(tracker)
-    with tracker, flops, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+    with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         step(*finputs)
-    total_flops = flops.get_total_flops()
+    total_flops = tracker.total_flops
     timeline = tracker.timeline
     return ProbeSample(
         batch=batch, seq_len=seq_len, peak_bytes=tracker.peak_bytes, saved_bytes=saved.bytes,
         retained_bytes=tracker.live_bytes, allocated_bytes=tracker.allocated_bytes,
-        flops_fwd=total_flops - flops.backward_flops, flops_bwd=flops.backward_flops,
+        flops_fwd=total_flops - tracker.backward_flops, flops_bwd=tracker.backward_flops,
         state_bytes=state, trainable_bytes=trainable, input_bytes=input_bytes,
         peak_phase=tracker.peak_phase, mode="fake" if fake else "real",
         ops=tuple(s.op for s in timeline if not s.op.startswith("prim.")),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gradshard.errors import UnsupportedGraphError, node_error
+from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
 from gradshard.runtime.chunk_frames import SKIP, Demand, is_empty
 
 __all__ = ["ChunkEvaluator", "NeedsCache", "FutureRead"]
@@ -140,7 +140,15 @@ class ChunkEvaluator:
                 d = () if smap is None else tuple(m.apply(demand) for m in smap)
                 arg_demands.append(d)
                 vals.append(self.value(arg, d))
-            return rule.run(node, vals, demand, arg_demands, self)
+            try:
+                return rule.run(node, vals, demand, arg_demands, self)
+            except (GradshardError, NeedsCache):
+                raise
+            except Exception as exc:
+                raise node_error(node, f"failed on steps {list(demand)} of chunk {self.index}: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                                 "this op's time behaviour is not what gradshard assumed; please report it, "
+                                 "and use plan='none' meanwhile") from exc
         finally:
             self._asking.pop()
             if in_past:

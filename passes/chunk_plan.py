@@ -1,0 +1,441 @@
+"""plan_chunk_program: prove a captured graph can run one chunk of time steps at a time.
+
+Builds a :class:`~gradshard.runtime.chunked.ChunkProgram` from the aten graph, the time
+analysis and the attention regions, in four steps:
+
+1. **rules**: every node the outputs need gets a chunk rule (its time frame, how each
+   input's window follows from its own, how to run it on a window). Unknown time use,
+   non-causal attention, reductions or normalisations over time inside the model, random
+   ops and gathers along time are errors here, naming the node and its source line.
+2. **boundary**: graph outputs with a time axis become *time outputs* (concatenated over
+   chunks); whole-sequence reductions (the loss) become *reductions* split into per-chunk
+   partials; everything after them (scalar arithmetic on the loss) stays outside.
+3. **cache points**: the keys/values of each attention region (after RoPE, before the
+   GQA repeat) and every scan output are kept across chunks.
+4. **dry run**: the chunk program runs on fake tensors for a few chunks (first, second,
+   third, middle, last two). It finds reads of the future (error), makes every other node
+   that later chunks read a cache point (e.g. the input of a causal convolution), measures
+   how far back each cache point is read (all of the past, or a window), and estimates
+   FLOPs and bytes per chunk for the stage program.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from gradshard.errors import UnsupportedGraphError, node_error
+from gradshard.ir import Region
+from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.runtime.chunk_cache import CacheSpec
+from gradshard.runtime.chunk_eval import ChunkEvaluator, NeedsCache, RecursionGuard
+from gradshard.runtime.chunk_frames import Frame, TDim
+from gradshard.runtime.chunk_reductions import make_reduction
+from gradshard.runtime.chunk_rules import (AttentionSource, BuildCtx, NodeRule, build_rule, meta_shape,
+                                           reshape_time, slots_of)
+from gradshard.runtime.chunked import ChunkEstimate, ChunkProgram, RegionOutput
+
+aten = torch.ops.aten
+
+__all__ = ["build_chunk_program", "dry_run", "plan_chunk_program", "outer_nodes"]
+
+_INSTEAD = "use plan='none' (plain autograd) for this model"
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _flatten(obj: Any) -> list[Any]:
+    if isinstance(obj, (list, tuple)):
+        return [x for o in obj for x in _flatten(o)]
+    if isinstance(obj, dict):
+        return [x for o in obj.values() for x in _flatten(o)]
+    return [obj]
+
+
+def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _attention_sources(regions: Sequence[Region], nodes: dict[str, fx.Node]) -> tuple[dict[str, AttentionSource], dict[str, str]]:
+    """SDPA fast-path sources and designated KV cache points (node -> reason)."""
+    sources: dict[str, AttentionSource] = {}
+    caches: dict[str, str] = {}
+    for r in regions:
+        if r.kind != "attention" or not r.options.get("causal"):
+            continue
+        opts = r.options
+        k, v = opts.get("k_cache"), opts.get("v_cache")
+        if k not in nodes or v not in nodes:
+            continue
+        caches[k] = f"keys of {r.name}"
+        caches[v] = f"values of {r.name}"
+        kshape, vshape = meta_shape(nodes[k]), meta_shape(nodes[v])
+        if (r.options.get("form") == "sdpa" and opts.get("kv_repeat") in ("interleave", "none")
+                and len(kshape) == 4 and len(vshape) == 4):
+            sources[r.outputs[0]] = AttentionSource(k, v, int(opts.get("n_rep", 1)))
+    return sources, caches
+
+
+def _seq_len(gm: fx.GraphModule, rules: dict[str, NodeRule]) -> int:
+    user = [rules[p.name].frame for p in gm.graph.find_nodes(op="placeholder")
+            if p.name in rules and str(p.meta.get("gs_input_name", "input")).startswith("input") and rules[p.name].frame]
+    frames = user or [r.frame for n, r in rules.items() if r.kind == "input" and r.frame]
+    if not frames:
+        raise UnsupportedGraphError("no graph input runs along the time axis: nothing to chunk.\n"
+                                    f"  instead: {_INSTEAD}, or pass time_axis=(input_index, dim)")
+    return max(t.length for f in frames for t in f)
+
+
+def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], chunk_size: int) -> ChunkProgram:
+    """Steps 1-3 of the module doc (the dry run is :func:`dry_run`)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    out_args = [a for a in _flatten(out_node.args[0]) if isinstance(a, fx.Node)]
+    needed = _ancestors(out_args)
+    sources, designated = _attention_sources(regions, nodes)
+    overrides: dict[str, Frame] = {}
+    for _ in range(4):
+        rules = _build_rules(gm, needed, tl, sources, overrides)
+        missing = _missing_target_frames(nodes, rules)
+        if not missing or all(overrides.get(k) == v for k, v in missing.items()):
+            break
+        overrides.update(missing)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    slots = {n: slots_of(nodes[n]) for n in rules if nodes[n].op == "call_function"}
+    _check_boundary(nodes, rules, slots, needed)
+    stateful = _stateful(gm, rules, slots)
+    outputs = _region_outputs(gm, nodes, rules, out_args, needed)
+    cache_points: dict[str, CacheSpec] = {}
+    for name, reason in [*designated.items(), *((n, "scan carry") for n, r in rules.items() if r.kind == "scan")]:
+        if name not in rules:
+            continue
+        frame = rules[name].frame
+        if len(frame) == 1 and frame[0].pure(meta_shape(nodes[name])[frame[0].dim]):
+            cache_points[name] = CacheSpec(name, frame[0].dim, frame[0].length, None, reason)
+        elif rules[name].kind == "scan":
+            raise node_error(nodes[name], "a scan whose state gradshard cannot carry across chunks", _INSTEAD)
+    flat_names = [p.name for p in placeholders]
+    return ChunkProgram(
+        gm=gm, nodes=nodes, rules=rules, slots=slots, flat_index={n: i for i, n in enumerate(flat_names)},
+        flat_names=flat_names, seq_len=_seq_len(gm, rules), chunk_size=chunk_size, outputs=outputs,
+        cache_points=cache_points, stateful=stateful, attention=sources)
+
+
+def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dict[str, AttentionSource],
+                 overrides: dict[str, Frame]) -> dict[str, NodeRule]:
+    """Step 1: a chunk rule for every needed node, in graph order."""
+    bc = BuildCtx(frames={}, elem_frames={}, tl=tl, attention=sources)
+    rules: dict[str, NodeRule] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output" or node not in needed:
+            continue
+        if node.op == "placeholder":
+            shp = meta_shape(node)
+            tdims = tl[node].time_dims if node.name in tl.info else ()
+            frame = overrides.get(node.name, tuple(TDim(d, shp[d]) for d in tdims))
+            rule = NodeRule(frame, (), None, kind="input")
+        elif node.op == "get_attr":
+            rule = NodeRule((), (), None, kind="const")
+        elif node.op == "call_function":
+            rule = build_rule(node, bc)
+            info = tl.info.get(node.name)
+            if (not rule.frame and rule.kind != "global" and info is not None and info.time_dims
+                    and isinstance(node.meta.get("val"), torch.Tensor)):
+                raise node_error(node, "its output runs along time but gradshard cannot follow the time "
+                                 "axis through it (a constant of the sequence length it cannot slice?)", _INSTEAD)
+        else:
+            raise node_error(node, f"{node.op} nodes are not supported by chunked plans", _INSTEAD)
+        rules[node.name] = rule
+        bc.frames[node.name] = rule.frame
+        if rule.elem_frames is not None:
+            bc.elem_frames[node.name] = rule.elem_frames
+    return rules
+
+
+_CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
+_TARGET_CHAIN = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                 aten.slice.Tensor, aten.clone.default, aten.contiguous.default, aten._to_copy.default,
+                 aten.to.dtype, aten.alias.default}
+
+
+def _missing_target_frames(nodes: dict[str, fx.Node], rules: dict[str, NodeRule]) -> dict[str, Frame]:
+    """Loss targets whose time axis the dims analysis did not tie to the logits' rows.
+
+    ``cross_entropy(logits.reshape(-1, V), labels[:, 1:].reshape(-1))``: the rows of the
+    target are the rows of the logits, so walk back from the target through views and
+    slices to the input and give it the matching time dim.
+    """
+    found: dict[str, Frame] = {}
+    for name, rule in rules.items():
+        node = nodes[name]
+        if node.op != "call_function" or node.target not in _CLASS_LOSSES:
+            continue
+        x, target = node.args[0], node.args[1]
+        if not isinstance(target, fx.Node) or rules[target.name].frame:
+            continue
+        rows = [t for t in rules[x.name].frame if t.dim == 0]
+        if not rows or len(meta_shape(target)) < 1 or meta_shape(target)[0] != meta_shape(x)[0]:
+            continue
+        td, cur = TDim(0, rows[0].length, rows[0].inner), target
+        while cur.op == "call_function" and cur.target in _TARGET_CHAIN and td is not None:
+            src = cur.args[0]
+            if cur.target is aten.slice.Tensor:
+                dim = cur.args[1] % len(meta_shape(src)) if len(cur.args) > 1 else 0
+                if dim == td.dim:
+                    td = TDim(dim, meta_shape(src)[dim]) if td.inner == 1 else None
+            elif cur.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+                                aten.flatten.using_ints):
+                td = reshape_time(meta_shape(cur), meta_shape(src), td)
+            cur = src
+        if td is not None and cur.op == "placeholder" and td.pure(meta_shape(cur)[td.dim]):
+            found[cur.name] = (td,)
+    return found
+
+
+def _check_boundary(nodes: dict[str, fx.Node], rules: dict[str, NodeRule], slots: dict[str, list[fx.Node]],
+                    needed: set[fx.Node]) -> None:
+    """Time leaves the region only through whole-sequence reductions; those stay outside it."""
+    for name, rule in rules.items():
+        node = nodes[name]
+        if node.op != "call_function":
+            continue
+        ins = slots[name]
+        if rule.frame and any(rules[a.name].kind == "global" for a in ins if a.name in rules):
+            g = next(a for a in ins if rules[a.name].kind == "global")
+            raise node_error(node, f"uses `{g.name}`, a reduction over the whole sequence, inside the model "
+                             "(every step then depends on future steps)", _INSTEAD)
+        if not rule.frame and rule.kind not in ("global",) and any(rules[a.name].frame for a in ins if a.name in rules):
+            raise node_error(node, "drops the time axis in a way that is not a sum or mean over all steps "
+                             "(e.g. picks one step, or a max over time), so chunks cannot be combined",
+                             "return the per-step tensor and reduce it outside the compiled module, "
+                             "or use plan='none'")
+
+
+def _stateful(gm: fx.GraphModule, rules: dict[str, NodeRule], slots: dict[str, list[fx.Node]]) -> set[str]:
+    """Nodes that depend on attention or a scan (cannot be recomputed for earlier chunks)."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        r = rules.get(node.name)
+        if r is None or not r.frame or node.op != "call_function":
+            continue
+        if r.mixer or any(a.name in out for a in slots[node.name]):
+            out.add(node.name)
+    return out
+
+
+def _region_outputs(gm: fx.GraphModule, nodes: dict[str, fx.Node], rules: dict[str, NodeRule],
+                    out_args: list[fx.Node], needed: set[fx.Node]) -> list[RegionOutput]:
+    outputs: list[RegionOutput] = []
+    seen: set[str] = set()
+    globals_used = [n for n in gm.graph.nodes if n in needed and rules.get(n.name) is not None
+                    and rules[n.name].kind == "global"]
+    for a in [*out_args, *globals_used]:
+        if a.name in seen or a.op == "placeholder":
+            continue
+        rule = rules[a.name]
+        if rule.kind == "global":
+            for s in slots_of(a):
+                if len(rules[s.name].frame) > 1:
+                    raise node_error(a, "reduces a tensor with two time axes (e.g. attention weights) over "
+                                     "the whole sequence", _INSTEAD)
+            outputs.append(RegionOutput(a.name, "reduction", reduction=make_reduction(a)))
+            seen.add(a.name)
+        elif rule.frame:
+            t = rule.frame
+            shp = meta_shape(a)
+            if len(t) != 1 or not t[0].pure(shp[t[0].dim]):
+                raise node_error(a, "the module returns a tensor whose time axis is merged with another "
+                                 "dim, or with two time axes", "return it with a separate time dim "
+                                 "(reshape outside the compiled module)")
+            outputs.append(RegionOutput(a.name, "time", dim=t[0].dim))
+            seen.add(a.name)
+    if not outputs:
+        raise UnsupportedGraphError("the compiled function returns nothing that depends on the sequence: "
+                                    f"nothing to chunk.\n  instead: {_INSTEAD}")
+    return outputs
+
+
+def outer_nodes(program: ChunkProgram) -> list[fx.Node]:
+    """Nodes that stay outside the region: after the reductions (needed by outputs), in order."""
+    gm = program.gm
+    region_out = {o.name for o in program.outputs}
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    keep: set[fx.Node] = set()
+    stack = [a for a in _flatten(out_node.args[0]) if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in keep or n.name in region_out or n.op == "placeholder":
+            continue
+        keep.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in gm.graph.nodes if n in keep]
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+class _DryCache:
+    """Cache stand-in for the dry run: reads return fake tensors of the right shape."""
+
+    def __init__(self, program: ChunkProgram) -> None:
+        self.program = program
+
+    def read(self, name: str, lo: int, hi: int, start: int) -> torch.Tensor:
+        val = self.program.nodes[name].meta["val"]
+        spec = self.program.cache_points[name]
+        shape = list(val.shape)
+        shape[spec.dim] = hi - lo
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+
+def _flash_cpu_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
+                     **kwargs: Any) -> int:
+    """FLOPs of CPU flash attention (not in torch's flop registry): two products per score."""
+    b, h, lq, d = query_shape
+    s = key_shape[-2]
+    return 2 * b * h * lq * s * (d + value_shape[-1])
+
+
+_FLOP_EXTRAS = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_flops}
+
+
+def _sample_chunks(k: int) -> list[int]:
+    return sorted({j for j in (0, 1, 2, k // 2, k - 2, k - 1) if 0 <= j < k})
+
+
+def _tensor_bytes(values: Iterable[Any]) -> int:
+    total = 0
+    for v in values:
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor) and t._base is None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _run_chunk(program: ChunkProgram, flat: list[Any], j: int) -> ChunkEvaluator:
+    ev = ChunkEvaluator(program, flat, j, _DryCache(program), dry=True)
+    for o in program.outputs:
+        if o.kind == "time":
+            ev.chunk_value(o.name)
+        else:
+            o.reduction.partial(program.nodes[o.name], ev)
+    for name in program.cache_points:
+        ev.chunk_value(name)
+    return ev
+
+
+def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int = 64) -> list[str]:
+    """Step 4 of the module doc: fills ``program.cache_points`` retention and ``estimates``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    notes: list[str] = []
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    flat = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_flat]
+    k = program.num_chunks
+    sample = _sample_chunks(k)
+    for _ in range(max_rounds):
+        stats: dict[int, tuple[int, int, list[tuple[str, int, int]]]] = {}
+        try:
+            with mode, RecursionGuard():
+                for j in sample:
+                    with FlopCounterMode(display=False, custom_mapping=_FLOP_EXTRAS) as fc:
+                        ev = _run_chunk(program, flat, j)
+                    stats[j] = (fc.get_total_flops(), _tensor_bytes(ev.memo.values()), list(ev.cache_reads))
+            break
+        except NeedsCache as nc:
+            node = nc.node
+            frame = program.rules[node.name].frame
+            if len(frame) != 1 or not frame[0].pure(meta_shape(node)[frame[0].dim]):
+                raise node_error(node, "later chunks read earlier steps of this value, but it has no single "
+                                 "time axis gradshard can cache", _INSTEAD) from None
+            program.cache_points[node.name] = CacheSpec(node.name, frame[0].dim, frame[0].length, None,
+                                                        "read by later chunks (window)")
+            notes.append(f"cache point {node.name}: later chunks read its earlier steps")
+    else:
+        raise UnsupportedGraphError("gradshard internal: the chunk dry run did not converge")
+    _set_retention(program, stats)
+    program.estimates = _estimates(program, stats)
+    return notes
+
+
+def _set_retention(program: ChunkProgram, stats: dict[int, tuple[int, int, list[tuple[str, int, int]]]]) -> None:
+    reads: dict[str, list[tuple[int, int, int]]] = {n: [] for n in program.cache_points}
+    for j, (_, _, rs) in stats.items():
+        for name, lo, hi in rs:
+            reads[name].append((j, lo, program.bounds[j][0]))
+    k = program.num_chunks
+    for name, spec in list(program.cache_points.items()):
+        rs = reads[name]
+        all_past = any(lo == 0 and (j >= 3 or k <= 3) for j, lo, _ in rs)
+        if all_past or not rs:
+            retention = None if (all_past or spec.reason.startswith(("keys", "values"))) else 1
+        else:
+            retention = max(s - lo for _, lo, s in rs)
+        program.cache_points[name] = CacheSpec(spec.name, spec.dim, spec.length, retention, spec.reason)
+
+
+def _estimates(program: ChunkProgram, stats: dict[int, tuple[int, int, list[tuple[str, int, int]]]]) -> list[ChunkEstimate]:
+    k = program.num_chunks
+    per_step: dict[str, int] = {}
+    for name, spec in program.cache_points.items():
+        val = program.nodes[name].meta["val"]
+        per_step[name] = val.numel() * val.element_size() // max(val.shape[spec.dim], 1)
+    sampled = sorted(stats)
+    out: list[ChunkEstimate] = []
+    for j in range(k):
+        lo, hi = program.bounds[j]
+        a = max((s for s in sampled if s <= j), default=sampled[0])
+        b = min((s for s in sampled if s >= j), default=sampled[-1])
+        w = 0.0 if b == a else (j - a) / (b - a)
+        flops = round(stats[a][0] * (1 - w) + stats[b][0] * w)
+        act = round(stats[a][1] * (1 - w) + stats[b][1] * w)
+        read = sum(per_step[n] * (lo if spec.retention is None else min(lo, spec.retention))
+                   for n, spec in program.cache_points.items())
+        write = sum(per_step[n] * ((hi - lo) if spec.retention is None else min(hi - lo, spec.retention))
+                    for n, spec in program.cache_points.items())
+        out.append(ChunkEstimate(flops, act, read, write))
+    return out
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+@graph_pass
+def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Prove the graph runs one chunk at a time and build its chunk program (analysis only).
+
+    Stores the :class:`~gradshard.runtime.chunked.ChunkProgram` in
+    ``ctx.analyses["chunks"]``; notes list the chunks, cache points and region outputs.
+    """
+    tl = ctx.analyses.get("time")
+    if tl is None:
+        raise UnsupportedGraphError("chunked plans need the time analysis (annotate_time_locality) first")
+    program = build_chunk_program(gm, tl, ctx.regions, ctx.options.chunk_size)
+    flat = list(ctx.example_inputs)
+    notes = dry_run(program, flat)
+    ctx.analyses["chunks"] = program
+    k = program.num_chunks
+    lines = [f"T={program.seq_len}, chunk_size={program.chunk_size}: {k} chunk(s)"]
+    for name, spec in program.cache_points.items():
+        keep = "all past steps" if spec.retention is None else f"last {spec.retention} step(s) per chunk"
+        lines.append(f"cache point {name} ({spec.reason}): keeps {keep}")
+    for o in program.outputs:
+        what = f"time output (dim {o.dim})" if o.kind == "time" else f"reduction split per chunk ({o.reduction.kind})"
+        lines.append(f"region output {o.name}: {what}")
+    for name in program.attention:
+        lines.append(f"{name}: flash attention against the KV cache")
+    lines.append(f"cache at full length: {program.cache_bytes():,} bytes")
+    return PassResult(gm, notes=tuple(lines + notes))

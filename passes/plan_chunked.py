@@ -1,0 +1,41 @@
+"""Chunk-wise optimisation plans: ``seco`` (exact) and ``spaco`` (sparse, unbiased by default).
+
+Li et al., "Training Long-Context LLMs Efficiently via Chunk-wise Optimization"; semantics
+in DESIGN.md (``seco``, ``spaco``). Both plans share one pipeline; the plan name selects
+whether the backward visits every chunk or a sampled subset (see
+:mod:`gradshard.runtime.chunked`).
+"""
+
+from __future__ import annotations
+
+from gradshard.plans import PlanSpec, SecoOptions, SpacoOptions, register_plan
+
+_PASSES = (
+    # The time analysis comes first: everything after reads ctx.analyses["time"].
+    "annotate_time:annotate_time_locality",
+    # Detectors (attention among them) need the time analysis (causality, score matrices);
+    # their attention regions name the KV cache points the planner keeps.
+    "detect_regions:detect_regions",
+    # The planner needs the regions (KV sources) and the time analysis; it only analyses.
+    "chunk_plan:plan_chunk_program",
+    # The rewrite needs the chunk program; it must be last (it replaces the whole body).
+    "rewrite_chunked:rewrite_chunked",
+)
+
+register_plan(PlanSpec(
+    name="seco",
+    options=SecoOptions,
+    passes=_PASSES,
+    gradient="exact",
+    doc="Sequential chunk-wise optimisation: forward chunk by chunk keeping the KV cache and scan "
+        "states, backward one recomputed chunk at a time in reverse order.",
+))
+
+register_plan(PlanSpec(
+    name="spaco",
+    options=SpacoOptions,
+    passes=_PASSES,
+    gradient="unbiased estimate (sampling='bernoulli', no cap); biased with 'fixed' or max_compensation",
+    doc="Sparse chunk-wise optimisation: like seco, but the backward runs only a sampled subset of "
+        "chunks (budget t of k) with compensation factors.",
+))
