@@ -56,6 +56,7 @@ class LaspOptions:
     group: Any = field(default=None, compare=False)
     chunk_size: int = 64
     reduce_grads: bool = True
+    timeout_s: float | None = None  # per wait; None: GRADSHARD_COMM_TIMEOUT_S (default 60 s)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from gradshard.runtime.chunk_eval import ChunkEvaluator, NeedsCache, RecursionGu
 from gradshard.runtime.chunk_frames import Frame, TDim
 from gradshard.runtime.chunk_reductions import make_reduction
 from gradshard.runtime.chunk_rules import (AttentionSource, BuildCtx, NodeRule, build_rule, meta_shape,
-                                           reshape_time, slots_of)
+                                           missing_frame_error, reshape_time, slots_of)
 from gradshard.runtime.chunked import ChunkEstimate, ChunkProgram, RegionOutput
 
 aten = torch.ops.aten
@@ -107,12 +107,13 @@ def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], 
     needed = _ancestors(out_args)
     sources, designated = _attention_sources(regions, nodes)
     overrides: dict[str, Frame] = {}
-    for _ in range(4):
-        rules = _build_rules(gm, needed, tl, sources, overrides)
-        missing = _missing_target_frames(nodes, rules)
-        if not missing or all(overrides.get(k) == v for k, v in missing.items()):
+    for _ in range(8):
+        rules, missing = _build_rules(gm, needed, tl, sources, overrides)
+        if not missing:
             break
-        overrides.update(missing)
+        if not any([_backfill(arg, frame, overrides) for _, arg, frame in missing]):
+            node, arg, _ = missing[0]
+            raise missing_frame_error(node, arg)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     slots = {n: slots_of(nodes[n]) for n in rules if nodes[n].op == "call_function"}
     _check_boundary(nodes, rules, slots, needed)
@@ -135,9 +136,9 @@ def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], 
 
 
 def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dict[str, AttentionSource],
-                 overrides: dict[str, Frame]) -> dict[str, NodeRule]:
-    """Step 1: a chunk rule for every needed node, in graph order."""
-    bc = BuildCtx(frames={}, elem_frames={}, tl=tl, attention=sources)
+                 overrides: dict[str, Frame]) -> tuple[dict[str, NodeRule], list[tuple[fx.Node, fx.Node, Frame]]]:
+    """Step 1: a chunk rule for every needed node, in graph order (+ arguments missing a frame)."""
+    bc = BuildCtx(frames={}, elem_frames={}, tl=tl, attention=sources, overrides=overrides)
     rules: dict[str, NodeRule] = {}
     for node in gm.graph.nodes:
         if node.op == "output" or node not in needed:
@@ -148,7 +149,7 @@ def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dic
             frame = overrides.get(node.name, tuple(TDim(d, shp[d]) for d in tdims))
             rule = NodeRule(frame, (), None, kind="input")
         elif node.op == "get_attr":
-            rule = NodeRule((), (), None, kind="const")
+            rule = NodeRule(overrides.get(node.name, ()), (), None, kind="const")
         elif node.op == "call_function":
             rule = build_rule(node, bc)
             info = tl.info.get(node.name)
@@ -162,48 +163,55 @@ def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dic
         bc.frames[node.name] = rule.frame
         if rule.elem_frames is not None:
             bc.elem_frames[node.name] = rule.elem_frames
-    return rules
+    return rules, bc.missing
 
 
-_CLASS_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default)
-_TARGET_CHAIN = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
-                 aten.slice.Tensor, aten.clone.default, aten.contiguous.default, aten._to_copy.default,
-                 aten.to.dtype, aten.alias.default}
+_VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
+          aten.unflatten.int, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.unsqueeze.default}
+_FACTORIES = {aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+              aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
-def _missing_target_frames(nodes: dict[str, fx.Node], rules: dict[str, NodeRule]) -> dict[str, Frame]:
-    """Loss targets whose time axis the dims analysis did not tie to the logits' rows.
-
-    ``cross_entropy(logits.reshape(-1, V), labels[:, 1:].reshape(-1))``: the rows of the
-    target are the rows of the logits, so walk back from the target through views and
-    slices to the input and give it the matching time dim.
-    """
-    found: dict[str, Frame] = {}
-    for name, rule in rules.items():
-        node = nodes[name]
-        if node.op != "call_function" or node.target not in _CLASS_LOSSES:
-            continue
-        x, target = node.args[0], node.args[1]
-        if not isinstance(target, fx.Node) or rules[target.name].frame:
-            continue
-        rows = [t for t in rules[x.name].frame if t.dim == 0]
-        if not rows or len(meta_shape(target)) < 1 or meta_shape(target)[0] != meta_shape(x)[0]:
-            continue
-        td, cur = TDim(0, rows[0].length, rows[0].inner), target
-        while cur.op == "call_function" and cur.target in _TARGET_CHAIN and td is not None:
-            src = cur.args[0]
-            if cur.target is aten.slice.Tensor:
-                dim = cur.args[1] % len(meta_shape(src)) if len(cur.args) > 1 else 0
-                if dim == td.dim:
-                    td = TDim(dim, meta_shape(src)[dim]) if td.inner == 1 else None
-            elif cur.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default,
-                                aten.flatten.using_ints):
-                td = reshape_time(meta_shape(cur), meta_shape(src), td)
-            cur = src
-        if td is not None and cur.op == "placeholder" and td.pure(meta_shape(cur)[td.dim]):
-            found[cur.name] = (td,)
-    return found
-
+def _backfill(node: fx.Node, frame: Frame, overrides: dict[str, Frame]) -> bool:
+    """Give the sources of ``node`` (factories, buffers, inputs, constants) the time dims that
+    make ``node`` carry ``frame``; walks back through views, expands, slices and pointwise
+    ops. Returns whether anything was added."""
+    if not frame:
+        return False
+    shp = meta_shape(node)
+    if node.op in ("placeholder", "get_attr") or (node.op == "call_function" and node.target in _FACTORIES):
+        if any(not t.pure(shp[t.dim]) for t in frame) or overrides.get(node.name) == frame:
+            return False
+        overrides[node.name] = frame
+        return True
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    t = node.target
+    src = node.args[0]
+    if t in _VIEWS:
+        mapped = [reshape_time(shp, meta_shape(src), td) for td in frame]
+        return None not in mapped and _backfill(src, tuple(mapped), overrides)
+    if t in (aten.slice.Tensor, aten.narrow.default):
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(shp)
+        return _backfill(src, tuple(TDim(d.dim, meta_shape(src)[d.dim]) if d.dim == dim else d for d in frame),
+                         overrides)
+    if t in (aten.transpose.int, aten.permute.default):
+        nd = len(shp)
+        if t is aten.permute.default:
+            perm = [p % nd for p in node.args[1]]
+        else:
+            perm = list(range(nd))
+            a, b = node.args[1] % nd, node.args[2] % nd
+            perm[a], perm[b] = perm[b], perm[a]
+        return _backfill(src, tuple(TDim(perm[d.dim], d.length, d.inner) for d in frame), overrides)
+    changed = False
+    for arg in slots_of(node):  # pointwise, expand, triu/tril, comparisons, casts
+        ashp = meta_shape(arg)
+        off = len(shp) - len(ashp)
+        sub = tuple(TDim(d.dim - off, d.length, d.inner) for d in frame
+                    if 0 <= d.dim - off < len(ashp) and ashp[d.dim - off] == shp[d.dim])
+        changed |= _backfill(arg, sub, overrides)
+    return changed
 
 def _check_boundary(nodes: dict[str, fx.Node], rules: dict[str, NodeRule], slots: dict[str, list[fx.Node]],
                     needed: set[fx.Node]) -> None:
@@ -316,15 +324,6 @@ def _sample_chunks(k: int) -> list[int]:
     return sorted({j for j in (0, 1, 2, k // 2, k - 2, k - 1) if 0 <= j < k})
 
 
-def _tensor_bytes(values: Iterable[Any]) -> int:
-    total = 0
-    for v in values:
-        for t in (v if isinstance(v, (tuple, list)) else (v,)):
-            if isinstance(t, torch.Tensor) and t._base is None:
-                total += t.numel() * t.element_size()
-    return total
-
-
 def _run_chunk(program: ChunkProgram, flat: list[Any], j: int) -> ChunkEvaluator:
     ev = ChunkEvaluator(program, flat, j, _DryCache(program), dry=True)
     for o in program.outputs:
@@ -353,7 +352,7 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
                 for j in sample:
                     with FlopCounterMode(display=False, custom_mapping=_FLOP_EXTRAS) as fc:
                         ev = _run_chunk(program, flat, j)
-                    stats[j] = (fc.get_total_flops(), _tensor_bytes(ev.memo.values()), list(ev.cache_reads))
+                    stats[j] = (fc.get_total_flops(), ev.peak_bytes, list(ev.cache_reads))
             break
         except NeedsCache as nc:
             node = nc.node
@@ -363,6 +362,7 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
                                  "time axis gradshard can cache", _INSTEAD) from None
             program.cache_points[node.name] = CacheSpec(node.name, frame[0].dim, frame[0].length, None,
                                                         "read by later chunks (window)")
+            program.refresh_uses()
             notes.append(f"cache point {node.name}: later chunks read its earlier steps")
     else:
         raise UnsupportedGraphError("gradshard internal: the chunk dry run did not converge")
@@ -436,6 +436,7 @@ def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         what = f"time output (dim {o.dim})" if o.kind == "time" else f"reduction split per chunk ({o.reduction.kind})"
         lines.append(f"region output {o.name}: {what}")
     for name in program.attention:
-        lines.append(f"{name}: flash attention against the KV cache")
+        if "flash" in program.rules[name].note:
+            lines.append(f"{name}: flash attention against the KV cache (GQA native)")
     lines.append(f"cache at full length: {program.cache_bytes():,} bytes")
     return PassResult(gm, notes=tuple(lines + notes))

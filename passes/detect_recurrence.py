@@ -98,7 +98,7 @@ def _scan_op_sites(gm: fx.GraphModule, tl: Any) -> list[ScanSite]:
         h0 = node.args[2] if len(node.args) > 2 else node.kwargs.get("h0")
         reverse = bool(node.args[3]) if not dense and len(node.args) > 3 else False
         rolled = node.meta.get("gs_rolled_loop")
-        written = f"rolled loop ({rolled['steps']} steps)" if rolled else (
+        written = f"rolled loop ({rolled['steps']} steps)" if rolled else node.meta.get("gs_written_as") or (
             "gradshard.kernels.linear_scan" if not dense else "gradshard dense_linear_scan")
         sites.append(ScanSite("dense" if dense else "diagonal", written, a.name, u.name,
                               h0.name if isinstance(h0, fx.Node) else None, node.name, 1, (node.name,), reverse))
@@ -492,6 +492,7 @@ def detect_linear_recurrences(gm: fx.GraphModule, ctx: PassContext) -> list[Regi
             kind="linear_recurrence", name=f"recurrence_{i}", nodes=s.covered,
             inputs=tuple(x for x in (s.a, s.u, s.h0) if x), outputs=(s.h,), time_axis=s.time_dim,
             source=source_of(nodes[s.h]),
-            options={"form": s.kind if s.a is not None else "diagonal (a=1)", "written_as": s.written_as},
+            options={"form": s.kind if s.a is not None and s.written_as != "cumsum" else "diagonal (a=1)",
+                     "written_as": s.written_as},
         ))
     return regions

@@ -160,14 +160,19 @@ def _plain(a: Any) -> Any:
     return repr(a)
 
 
-def _step_signature(chain: LoopChain, t: int) -> tuple:
-    """Ops of step ``t`` with arguments as references: this step, the previous one, outside."""
-    nodes = chain.steps[t]
+def _step_signature(chain: LoopChain, t: int, skip: int = 0) -> tuple:
+    """Ops of step ``t`` with arguments as references: this step, the previous one (counted
+    from its end), outside. ``skip``: leading nodes of the step treated as outside values."""
+    nodes = chain.steps[t][skip:]
+    outside = set(chain.steps[t][:skip])
     local_t = {m: i for i, m in enumerate(nodes)}
-    prev = {m: i for i, m in enumerate(chain.steps[t - 1])} if t > 0 else {}
+    prev_nodes = chain.steps[t - 1] if t > 0 else []
+    prev = {m: i - len(prev_nodes) for i, m in enumerate(prev_nodes)}
 
     def ref(a: Any) -> Any:
         if isinstance(a, fx.Node):
+            if a in outside:
+                return ("I", a.name)
             s = chain.step_of.get(a)
             if s == t:
                 return ("L", local_t[a])
@@ -188,8 +193,9 @@ def _step_signature(chain: LoopChain, t: int) -> tuple:
     return tuple(sig)
 
 
-def _check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node]]:
-    """Signature of steps 1..T-1 (must be equal) and the initial values of the carried refs."""
+def _check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node], list[fx.Node]]:
+    """Signature of steps 1..T-1 (must be equal), the initial values of the carried refs and
+    the leading nodes of step 0 that only build the initial state (``zeros_like(x[:, 0])``)."""
     ref = _step_signature(chain, 1)
     for t in range(2, len(chain.steps)):
         if _step_signature(chain, t) != ref:
@@ -197,13 +203,15 @@ def _check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node]]:
             raise node_error(first, f"the unrolled loop's step {t} is not isomorphic to step 1 (the loop body "
                              "changes from step to step, or two loops interleave)",
                              "write the loop so every step runs the same operations, or use plan='seco'")
-    sig0 = _step_signature(chain, 0)
-    init: dict[int, fx.Node] = {}
     nodes0 = chain.steps[0]
+    skip = len(nodes0) - len(ref)
+    init: dict[int, fx.Node] = {}
     by_name = {n.name: n for n in nodes0[0].graph.nodes}
-    if len(sig0) != len(ref):
+    if skip < 0:
         raise node_error(nodes0[0], "the first step of the unrolled loop differs from the others",
                          "start the loop from an explicit initial state (e.g. h = zeros) so every step is the same")
+    sig0 = _step_signature(chain, 0, skip)
+    nodes0 = nodes0[skip:]
 
     def match(a: Any, b: Any) -> bool:
         if isinstance(b, tuple) and len(b) == 2 and b[0] == "P":
@@ -227,7 +235,7 @@ def _check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node]]:
         if not match(s0, s1):
             raise node_error(nodes0[i], "the first step of the unrolled loop differs from the others",
                              "start the loop from an explicit initial state (e.g. h = zeros) so every step is the same")
-    return ref, init
+    return ref, init, chain.steps[0][:skip]
 
 
 # --------------------------------------------------------------------------- linear analysis
@@ -334,6 +342,35 @@ def _analyse_update(template: list[fx.Node], h_prev: fx.Node, h_new: fx.Node) ->
 
 # --------------------------------------------------------------------------- body extraction
 
+_LIKE = {aten.zeros_like.default: aten.new_zeros.default, aten.ones_like.default: aten.new_ones.default,
+         aten.empty_like.default: aten.new_empty.default}
+
+
+def _rebuild_initial_state(gm: fx.GraphModule, chain: LoopChain, prefix: list[fx.Node], h_init: fx.Node) -> fx.Node:
+    """``zeros_like(x[:, 0])`` built in step 0 -> ``new_zeros(x, shape)`` outside the loop."""
+    if h_init not in prefix:
+        return h_init
+    if h_init.target not in _LIKE and h_init.target not in (aten.new_zeros.default, aten.new_ones.default,
+                                                             aten.new_empty.default):
+        raise node_error(h_init, "the loop's initial state is computed from the first step's inputs",
+                         "start from an explicit initial state (zeros, or a parameter) so every step is the same")
+    src = h_init.args[0]
+    while isinstance(src, fx.Node) and src in chain.step_of:
+        if src in chain.sources:
+            src = chain.sources[src][0]
+            break
+        src = src.args[0] if src.args and isinstance(src.args[0], fx.Node) else None
+    if not isinstance(src, fx.Node):
+        raise node_error(h_init, "cannot rebuild the loop's initial state outside the loop", "use h = zeros(...)")
+    shape = list(h_init.meta["val"].shape)
+    target = _LIKE.get(h_init.target, h_init.target)
+    with gm.graph.inserting_after(src):
+        new = gm.graph.call_function(target, (src, shape))
+        new.meta["val"] = fake_run(target, (src, shape))
+        new.meta["stack_trace"] = h_init.meta.get("stack_trace")
+    return new
+
+
 
 def _body_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[Any],
                 extra: Optional[list] = None) -> fx.GraphModule:
@@ -373,11 +410,10 @@ def _ancestors(targets: list[fx.Node], members: set[fx.Node]) -> list[fx.Node]:
 def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    _, init = _check_isomorphic(chain)
+    _, init, prefix = _check_isomorphic(chain)
     template = chain.steps[1]
     prev = chain.steps[0]
-    tpos = {n: i for i, n in enumerate(template)}
-    carried = sorted({prev.index(a) for n in template for a in n.all_input_nodes if chain.step_of.get(a) == 0})
+    carried = sorted({prev.index(a) - len(prev) for n in template for a in n.all_input_nodes if chain.step_of.get(a) == 0})
     if len(carried) != 1:
         raise node_error(template[0], f"the loop carries {len(carried)} values from step to step; gradshard "
                          "rolls loops that carry one linear state", _NONLINEAR_HINT)
@@ -386,6 +422,8 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     h_new_t = template[k]
     h_init = init[k]
     T = len(chain.steps)
+    if prefix:
+        h_init = _rebuild_initial_state(gm, chain, prefix, h_init)
     upd = _analyse_update(template, h_prev_t, h_new_t)
     members = set(template)
     dep = {h_prev_t}
@@ -405,15 +443,20 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     all_body = set(chain.step_of)
     consumers: list[fx.Node] = []
     for t, nodes in enumerate(chain.steps):
-        for j, n in enumerate(nodes):
+        for j0, n in enumerate(nodes):
+            j = j0 - len(nodes)  # counted from the end: step 0 may start with extra nodes
             for user in n.users:
                 if user in all_body:
                     continue
+                if j < -len(template):
+                    raise node_error(user, "a value built while setting up the loop's first step is used outside "
+                                     "the loop", "build it outside the loop")
                 if user.target in (aten.stack.default, aten.cat.default):
                     pieces = user.args[0]
                     dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
                     if len(pieces) == T and all(isinstance(p, fx.Node) and chain.step_of.get(p) == s
-                                                and chain.steps[s].index(p) == j for s, p in enumerate(pieces)):
+                                                and chain.steps[s].index(p) - len(chain.steps[s]) == j
+                                                for s, p in enumerate(pieces)):
                         if (user, dim) not in [(c, d) for c, d, _ in stack_outs[j]]:
                             stack_outs[j].append((user, dim, "stack" if user.target is aten.stack.default else "cat"))
                             consumers.append(user)
@@ -438,6 +481,8 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     sel_of_seq = {chain.sources[n]: n for n in sel_nodes}
     invariants: list[fx.Node] = []
     for n in template:
+        if n in chain.sources:
+            continue  # a step read: becomes a placeholder of the body
         for a in n.all_input_nodes:
             if a not in members and chain.step_of.get(a) is None and a not in invariants and a is not h_prev_t:
                 invariants.append(a)

@@ -157,6 +157,15 @@ def find_input_axes(target: Any, example_inputs: Sequence[Any], *, time_axis: tu
     batch = [dims.axes_in_class(p, batch_cls) if batch_cls is not None and not any(merged) else ()
              for p in phs]
     batch = [(0,) if m else tuple(d for d in b if d not in t) for b, t, m in zip(batch, time, merged)]
+    # Inputs the analysis could not connect to the time axis (the dims of position ids or
+    # labels do not always meet the token ids' in one op) but shaped exactly like the first
+    # time-carrying input (ids, position ids, labels: all (B, T)) share its axes.
+    first = next((i for i, t in enumerate(time) if t), None)
+    if first is not None:
+        ref_shape = tuple(phs[first].meta["val"].shape)
+        for i, p in enumerate(phs):
+            if not time[i] and not batch[i] and tuple(p.meta["val"].shape) == ref_shape:
+                time[i], batch[i] = time[first], batch[first]
     seq_len = next((int(p.meta["val"].shape[t[0]]) for p, t in zip(phs, time) if t), 0)
     if not seq_len:
         raise CostProbeError("no example input carries the time axis the analysis found; pass "
@@ -191,14 +200,20 @@ def resize_inputs(example_inputs: Sequence[Any], axes: InputAxes, batch: int, se
 # --------------------------------------------------------------------------- fake copies
 
 
-def fake_clone(tree: Any, mode: FakeTensorMode, originals: dict[int, torch.Tensor] | None = None) -> Any:
+def fake_clone(tree: Any, mode: FakeTensorMode, originals: dict[int, torch.Tensor] | None = None,
+               dtype: torch.dtype | None = None) -> Any:
     """A copy of ``tree`` (modules and tensors) whose parameters, buffers and tensors are fake.
 
     Modules are deep-copied with their state replaced by meta tensors first (nothing real is
     copied, so this is cheap for any model size), then every state tensor becomes a fake
     tensor on the original device; shared (tied) tensors stay shared. ``originals``, when
-    given, receives ``id(fake) -> original tensor`` for every fake made.
+    given, receives ``id(fake) -> original tensor`` for every fake made. ``dtype`` casts
+    floating-point state and inputs (a what-if: "this model in bfloat16").
     """
+
+    def cast(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
     originals = {} if originals is None else originals
     modules = [m for m in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nn.Module))
                if isinstance(m, nn.Module)]
@@ -208,7 +223,7 @@ def fake_clone(tree: Any, mode: FakeTensorMode, originals: dict[int, torch.Tenso
         for t in [*m.parameters(), *m.buffers()]:
             if id(t) in memo:
                 continue
-            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=cast(t), device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
             source[id(memo[id(t)])] = t
     fakes: dict[int, torch.Tensor] = {}
@@ -237,7 +252,7 @@ def fake_clone(tree: Any, mode: FakeTensorMode, originals: dict[int, torch.Tenso
                         sub._buffers[k] = to_fake(b)
             return m
         if isinstance(x, torch.Tensor):
-            f = mode.from_tensor(x)
+            f = mode.from_tensor(x if cast(x) == x.dtype else x.to(cast(x)))
             originals[id(f)] = x
             return f
         return x
@@ -245,10 +260,18 @@ def fake_clone(tree: Any, mode: FakeTensorMode, originals: dict[int, torch.Tenso
     return pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, nn.Module))
 
 
-def _real_clone(tree: Any) -> Any:
+def _real_clone(tree: Any, dtype: torch.dtype | None = None) -> Any:
     memo: dict[int, Any] = {}
-    return pytree.tree_map(lambda x: copy.deepcopy(x, memo) if isinstance(x, nn.Module) else x, tree,
-                           is_leaf=lambda x: isinstance(x, nn.Module))
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, nn.Module):
+            m = copy.deepcopy(x, memo)
+            return m.to(dtype) if dtype is not None else m
+        if isinstance(x, torch.Tensor) and dtype is not None and x.is_floating_point():
+            return x.to(dtype)
+        return x
+
+    return pytree.tree_map(convert, tree, is_leaf=lambda x: isinstance(x, nn.Module))
 
 
 # --------------------------------------------------------------------------- recording
@@ -293,6 +316,8 @@ class ProbeSample:
     mode: str
     ops: tuple[str, ...]
     live: tuple[int, ...]
+    regions: tuple[Any, ...] = ()
+    phase_peaks: tuple[int, int] = (0, 0)  # (forward, backward) peaks
 
 
 def _state_of(cm: Any) -> tuple[int, int]:
@@ -315,18 +340,18 @@ def _state_of(cm: Any) -> tuple[int, int]:
 def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options: dict[str, Any],
               axes: InputAxes, batch: int, seq_len: int, loss_fn: Callable[[Any], torch.Tensor] | None = None,
               time_axis: tuple[int, int] | None = None, frontend: str = "python",
-              mode: str = "auto") -> ProbeSample:
+              mode: str = "auto", dtype: torch.dtype | None = None) -> ProbeSample:
     """Run the compiled step of ``plan`` at ``(batch, seq_len)`` on fake tensors (see module doc).
 
     ``mode``: ``"fake"``, ``"real"`` or ``"auto"`` (fake, then real for small models whose
-    code reads tensor values).
+    code reads tensor values). ``dtype``: cast floating-point state and inputs first.
     """
     if mode not in ("auto", "fake", "real"):
         raise ValueError(f"probe mode must be 'auto', 'fake' or 'real', got {mode!r}")
     inputs = resize_inputs(example_inputs, axes, batch, seq_len)
     if mode in ("auto", "fake"):
         try:
-            return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, True)
+            return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, True, dtype)
         except CostProbeError:
             raise
         except Exception as exc:
@@ -338,7 +363,7 @@ def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options:
                     "tensors do not have.\n  instead: pass probe_mode='real' to gs.cost (runs small probe "
                     "sizes for real), or make the value-dependent code a tensor op (torch.where)."
                 ) from exc
-    return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False)
+    return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False, dtype)
 
 
 def _compile_at(cm: Any, inputs: tuple, originals: dict[int, torch.Tensor]) -> Any:
@@ -405,15 +430,15 @@ def _state_bytes(target: Any, inputs: Any) -> int:
 
 def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], batch: int, seq_len: int,
                 loss_fn: Callable | None, time_axis: tuple[int, int] | None, frontend: str,
-                fake: bool) -> ProbeSample:
+                fake: bool, dtype: torch.dtype | None) -> ProbeSample:
     from ..api import compile as gs_compile
 
     originals: dict[int, torch.Tensor] = {}
     if fake:
         fmode = FakeTensorMode(allow_non_fake_inputs=True)
-        ftarget, finputs = fake_clone((target, inputs), fmode, originals)
+        ftarget, finputs = fake_clone((target, inputs), fmode, originals, dtype)
     else:
-        ftarget, finputs = _real_clone((target, inputs))
+        ftarget, finputs = _real_clone((target, inputs), dtype)
     cm = gs_compile(ftarget, plan, frontend=frontend, time_axis=time_axis, **options)
     _compile_at(cm, finputs, originals)  # capture + passes at this size (not part of the priced step)
     state, trainable = _state_of(cm)
@@ -434,4 +459,7 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
         peak_phase=tracker.peak_phase, mode="fake" if fake else "real",
         ops=tuple(s.op for s in timeline if not s.op.startswith("prim.")),
         live=tuple(s.live_bytes for s in timeline if not s.op.startswith("prim.")),
+        regions=tuple(cm._last.regions),
+        phase_peaks=(max((s.live_bytes for s in timeline if s.phase == "forward"), default=0),
+                     max((s.live_bytes for s in timeline if s.phase == "backward"), default=0)),
     )

@@ -85,6 +85,8 @@ class CacheStore:
             leaf = self.leaves.get(name)
             if leaf is None:
                 leaf = self.leaves[name] = buf.narrow(spec.dim, 0, start).detach().requires_grad_()
+            if lo == 0 and hi == start:
+                return leaf  # not a view: its gradient needs no zero-padded copy
             return leaf.narrow(spec.dim, lo, hi - lo)
         parts = []
         covered = hi

@@ -56,6 +56,10 @@ class ChunkEvaluator:
         self.cache = cache
         self.dry = dry
         self.memo: dict[tuple[str, Demand], Any] = {}
+        self._keys: dict[str, list[tuple[str, Demand]]] = {}
+        self._remaining = dict(program.use_counts)
+        self.live_bytes = 0
+        self.peak_bytes = 0
         self.grad_inputs = grad_inputs  # flat index -> full leaf (params without time)
         self.needs_grad = needs_grad
         self.input_leaves: list[tuple[int, Demand, torch.Tensor]] = []
@@ -97,12 +101,26 @@ class ChunkEvaluator:
             out = self._input(node, demand)
         elif node.op == "get_attr":
             out = getattr(prog.gm, node.target)
+            for t, (lo, hi) in zip(prog.rules[node.name].frame, demand):
+                out = out.narrow(t.dim, lo, hi - lo)
         elif demand and is_empty(demand):
             out = self._empty(node, demand)
         else:
             out = self._compute(node, demand)
         self.memo[key] = out
+        self._keys.setdefault(node.name, []).append(key)
+        self.live_bytes += _own_bytes(out)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
+
+    def _release(self, node: fx.Node) -> None:
+        """A consumer of ``node`` finished: once all have, drop its values (unless pinned)."""
+        left = self._remaining.get(node.name, 0) - 1
+        self._remaining[node.name] = left
+        if left > 0 or node.name in self.program.pinned:
+            return
+        for key in self._keys.pop(node.name, ()):
+            self.live_bytes -= _own_bytes(self.memo.pop(key, None))
 
     def _compute(self, node: fx.Node, demand: Demand) -> Any:
         prog = self.program
@@ -141,7 +159,11 @@ class ChunkEvaluator:
                 arg_demands.append(d)
                 vals.append(self.value(arg, d))
             try:
-                return rule.run(node, vals, demand, arg_demands, self)
+                out = rule.run(node, vals, demand, arg_demands, self)
+                for arg, smap in zip(prog.slots[node.name], rule.slots):
+                    if smap is not SKIP:
+                        self._release(arg)
+                return out
             except (GradshardError, NeedsCache):
                 raise
             except Exception as exc:
@@ -169,6 +191,15 @@ class ChunkEvaluator:
     def chunk_value(self, name: str) -> Any:
         """``name`` on this chunk's window (clipped to the node's time length)."""
         return self.value(self.program.nodes[name], self.program.chunk_demand(name, self.index))
+
+
+def _own_bytes(value: Any) -> int:
+    """Bytes a memoised value owns (views of other values own nothing)."""
+    total = 0
+    for t in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(t, torch.Tensor) and t._base is None:
+            total += t.numel() * t.element_size()
+    return total
 
 
 class RecursionGuard:

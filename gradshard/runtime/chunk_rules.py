@@ -35,7 +35,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "NodeRule", "BuildCtx", "AttentionSource", "build_rule", "register_chunk_rule", "CHUNK_RULES",
-    "slots_of", "meta_shape", "default_run",
+    "slots_of", "meta_shape", "default_run", "missing_frame_error", "reshape_time",
 ]
 
 RunFn = Callable[[fx.Node, list, Demand, list, Any], Any]
@@ -87,6 +87,10 @@ class BuildCtx:
     elem_frames: dict[str, tuple[Frame, ...]]
     tl: Any
     attention: dict[str, AttentionSource] = field(default_factory=dict)
+    # (node, argument, the frame the argument should have): constants the time analysis did
+    # not tie to time (an SDPA mask, a loss target); the planner backfills their sources
+    missing: list[tuple[fx.Node, fx.Node, Frame]] = field(default_factory=list)
+    overrides: dict[str, Frame] = field(default_factory=dict)  # backfilled frames of sources
 
     def frame(self, arg: Any) -> Frame:
         if not isinstance(arg, fx.Node):
@@ -202,22 +206,25 @@ def positional(node: fx.Node, bc: BuildCtx, mapper: Callable[[int, fx.Node, TDim
 
 
 def _check_unframed_args(node: fx.Node, bc: BuildCtx, frame: Frame) -> None:
-    """A tensor argument without time but with a dim of size T aligned to a time dim is a
-    constant gradshard cannot slice (e.g. a tensor attribute that is not a buffer)."""
+    """A tensor argument without time but with a dim of size T aligned to a time dim must be
+    sliced too: record it in ``bc.missing`` (the planner backfills its frame, or fails)."""
     out = meta_shape(node)
     for a in slots_of(node):
         if bc.frame(a):
             continue
         shp = meta_shape(a)
         off = len(out) - len(shp)
-        for t in frame:
-            j = t.dim - off
-            if 0 <= j < len(shp) and shp[j] == out[t.dim] and shp[j] > 1:
-                raise node_error(node, f"argument `{a.name}` has a dim of the sequence length that "
-                                 "gradshard cannot slice (it does not come from an input, a buffer or "
-                                 "a constant built in the model)",
-                                 "register the tensor as a buffer of the module (register_buffer) or "
-                                 "build it inside forward")
+        want = [TDim(t.dim - off, t.length, t.inner) for t in frame
+                if 0 <= t.dim - off < len(shp) and shp[t.dim - off] == out[t.dim] and out[t.dim] > 1]
+        if want:
+            bc.missing.append((node, a, tuple(want)))
+
+
+def missing_frame_error(node: fx.Node, arg: fx.Node) -> Exception:
+    return node_error(node, f"argument `{arg.name}` has a dim of the sequence length that gradshard "
+                      "cannot slice (it does not come from an input, a buffer or a constant built in "
+                      "the model from shapes)", "register the tensor as a buffer of the module "
+                      "(register_buffer) or build it inside forward")
 
 
 # --------------------------------------------------------------------------- pointwise
@@ -357,11 +364,12 @@ def _permute_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
 
 
 def _expand_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
-    x = vals[0]
+    """Time dims take the window's size (a 1-step window must not read as a broadcast dim)."""
     sizes = list(node.args[1])
-    off = len(sizes) - x.dim()
-    new = [(-1 if i >= off and x.shape[i - off] != 1 else s) for i, s in enumerate(sizes)]
-    return x.expand(new)
+    full = meta_shape(node)
+    for t, (lo, hi) in zip(ev.program.rules[node.name].frame, demand):
+        sizes[t.dim] = t.size(full[t.dim], hi - lo)
+    return vals[0].expand(sizes)
 
 
 @register_chunk_rule(aten.expand, aten.broadcast_to)
@@ -479,6 +487,18 @@ def _embedding_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     return positional(node, bc, lambda i, a, td: td)
 
 
+@register_chunk_rule(aten.flip, aten.roll)
+def _flip_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    src = node.args[0]
+    nd = len(meta_shape(src))
+    dims = node.args[1] if node.target is aten.flip.default else (node.args[2] if len(node.args) > 2 else None)
+    dims = [dims] if isinstance(dims, int) else list(dims) if dims is not None else list(range(nd))
+    if any(t.dim in {_norm(d, nd) for d in dims} for t in bc.frame(src)):
+        what = "reverses" if node.target is aten.flip.default else "rolls"
+        raise node_error(node, f"{what} the time axis, so step t reads later steps", _INSTEAD)
+    return positional(node, bc, lambda i, a, td: td)
+
+
 @register_chunk_rule(aten.index_select, aten.gather)
 def _gather_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     src = node.args[0]
@@ -581,6 +601,8 @@ def _pad_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
 
 
 def _factory_frame(node: fx.Node, bc: BuildCtx) -> Frame:
+    if node.name in bc.overrides:
+        return bc.overrides[node.name]
     shp = meta_shape(node)
     tdims = bc.tl[node].time_dims if node.name in bc.tl.info else ()
     return _frame_from(TDim(d, shp[d]) for d in tdims)
@@ -903,6 +925,10 @@ def _loss_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     x, target = node.args[0], node.args[1]
     if any(t.dim == 1 for t in bc.frame(x)) and len(meta_shape(x)) > 1:
         raise node_error(node, "the class dim of the loss runs along time", _INSTEAD)
+    rows = [t for t in bc.frame(x) if t.dim == 0]
+    if isinstance(target, fx.Node) and rows and not bc.frame(target) and meta_shape(target) \
+            and meta_shape(target)[0] == meta_shape(x)[0]:
+        bc.missing.append((node, target, (rows[0],)))
     if reduction != 0:
         return NodeRule((), (None,) * len(slots_of(node)), default_run, kind="global",
                         note="loss over the whole sequence")
@@ -1043,6 +1069,10 @@ def _sdpa_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if len(fq) != 1 or fq[0].dim != nq - 2 or len(fk) != 1 or fk[0].dim != nk - 2 or len(fv) != 1:
         raise node_error(node, "attention whose query/key time axis is not the second-to-last dim", _INSTEAD)
     frame = (TDim(nq - 2, fq[0].length, fq[0].inner),)
+    if isinstance(mask, fx.Node) and not bc.frame(mask):
+        ms = meta_shape(mask)
+        if len(ms) >= 2 and ms[-2] == fq[0].length and ms[-1] == fk[0].length:
+            bc.missing.append((node, mask, (TDim(len(ms) - 2, fq[0].length), TDim(len(ms) - 1, fk[0].length))))
     src = bc.attention.get(node.name)
     fast = (src is not None and is_causal and mask is None and nq == 4
             and meta_shape(q)[-1] == meta_shape(v)[-1])
@@ -1126,7 +1156,7 @@ def _conv_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: 
     need_lo, need_hi = lo - padding, hi - padding + dilation * (k - 1)
     x = aten.constant_pad_nd.default(x, [got_lo - need_lo, need_hi - got_hi], 0.0)
     args, kwargs = rebuild_args(node, vals)
-    args = list(args)
+    args, kwargs = list(args), dict(kwargs)
     args[0] = x
     if node.target is aten.conv1d.default:
         while len(args) < 7:

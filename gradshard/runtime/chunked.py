@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from gradshard.ir import Stage
 from gradshard.runtime.chunk_cache import CacheSpec, CacheStore
 from gradshard.runtime.chunk_eval import ChunkEvaluator, RecursionGuard
-from gradshard.runtime.chunk_frames import Demand
+from gradshard.runtime.chunk_frames import SKIP, Demand
 from gradshard.runtime.chunk_reductions import Reduction
 from gradshard.runtime.chunk_rules import AttentionSource, NodeRule
 
@@ -96,6 +96,21 @@ class ChunkProgram:
 
     def __post_init__(self) -> None:
         self.bounds = chunk_bounds(self.seq_len, self.chunk_size)
+        self.refresh_uses()
+
+    def refresh_uses(self) -> None:
+        """Consumer counts (memo eviction) and pinned values (outputs, cache points, loss inputs)."""
+        counts: dict[str, int] = {}
+        for name, rule in self.rules.items():
+            for arg, smap in zip(self.slots.get(name, ()), rule.slots):
+                if smap is not SKIP:
+                    counts[arg.name] = counts.get(arg.name, 0) + 1
+        self.use_counts = counts
+        pinned = {o.name for o in self.outputs} | set(self.cache_points)
+        for o in self.outputs:
+            if o.kind == "reduction":
+                pinned |= {a.name for a in self.slots.get(o.name, ())}
+        self.pinned = pinned
 
     @property
     def num_chunks(self) -> int:
@@ -269,20 +284,17 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
                 val = ev.chunk_value(name).narrow(spec.dim, p_lo - lo, g.shape[spec.dim])
                 outs.append(val)
                 cots.append(g * f if f != 1.0 else g)
+            ev.memo.clear()  # autograd keeps what the backward needs; drop every other intermediate
             pairs = [(o, c) for o, c in zip(outs, cots) if isinstance(o, torch.Tensor) and o.requires_grad]
             cache_leaves = cache.leaf_list()
             inputs = [*leaves.values(), *(t for _, _, t in ev.input_leaves), *(t for _, t in cache_leaves)]
             if pairs and inputs:
-                got = torch.autograd.grad([o for o, _ in pairs], inputs, [c for _, c in pairs],
-                                          allow_unused=True)
-            else:
-                got = [None] * len(inputs)
+                # backward(inputs=...) accumulates into each leaf's .grad as the engine goes, so a
+                # chunk never holds all of its parameter gradients next to the running sum
+                torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs], inputs=inputs)
         region.stats["backward_chunks"] += 1
-        it = iter(got)
-        for i in leaves:
-            _add(out_grads, i, next(it))
-        for i, demand, _ in ev.input_leaves:
-            g = next(it)
+        for i, demand, leaf in ev.input_leaves:
+            g = leaf.grad
             if g is None:
                 continue
             if out_grads[i] is None:
@@ -291,21 +303,17 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
             for t, (lo, hi) in zip(program.rules[_flat_name(program, i)].frame, demand):
                 view = view.narrow(t.dim, lo, hi - lo)
             view.add_(g)
-        for key, _ in cache_leaves:
-            cache.accumulate(key, next(it))
+        for key, leaf in cache_leaves:
+            cache.accumulate(key, leaf.grad)
         cache.drop_chunk(j)
-        del ev, outs, cots, pairs, got
+        del ev, outs, cots, pairs
+    for i, leaf in leaves.items():
+        out_grads[i] = leaf.grad
     return out_grads
 
 
 def _flat_name(program: ChunkProgram, i: int) -> str:
     return program.flat_names[i]
-
-
-def _add(acc: list[torch.Tensor | None], i: int, g: torch.Tensor | None) -> None:
-    if g is None:
-        return
-    acc[i] = g if acc[i] is None else acc[i] + g
 
 
 class _ChunkedFunction(torch.autograd.Function):

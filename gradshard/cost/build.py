@@ -1,0 +1,206 @@
+"""``gs.cost``: probe the compiled plan at a few small sizes and fit symbolic costs.
+
+::
+
+    report = gs.cost(model, plan="seco", example_inputs=(ids,), chunk_size=64, device="h100")
+    report.evaluate(seq_len=1_000_000, batch=8)       # {'peak_bytes': ..., 'flops': ..., ...}
+    report.max_seq_len(memory_bytes="80GB", batch=8)   # longest context that fits
+    print(report.expressions["peak_bytes"])            # Max(1024*B*T + 156800, ...)
+
+How (see :mod:`gradshard.cost.probe` and :mod:`gradshard.cost.fit`): the example inputs fix
+the model and tell, through the time-locality analysis of their capture, which input
+dimensions are the sequence and the batch. The plan is then compiled and run on fake
+tensors at ``(batch, seq_len)`` in ``{2, 3} x {g, 2g, 3g}`` (``g``: a divisor of the example
+length), plus two check points ``(2, 4g)`` and ``(4, g)`` that the fit must reproduce
+exactly; plans that cut the sequence into chunks or shards of ``c`` probe ``{2c, 3c, 4c}``
+and check ``6c``. Every cost is fitted with the polynomial basis
+``{1, T, T², B, B·T, B·T²}``, the peak as a ``Max`` over the step's timeline; the plan's
+rule (:mod:`gradshard.cost.rules`) adds what one process cannot observe (communication).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+
+from ..errors import GradshardError
+from ..plans import get_plan
+from .devices import get_device
+from .facts import graph_facts
+from .fit import B, T, Fit, fit_peak, fit_polynomial
+from .probe import InputAxes, ProbeSample, find_input_axes, run_probe
+from .report import CostReport
+from .rules import RuleContext, get_rule, optimizer_states
+
+__all__ = ["cost", "probe_points", "default_granule"]
+
+
+def default_granule(seq_len: int) -> int:
+    """The probe step for an example of length ``seq_len``: its largest divisor in [4, 16], else itself."""
+    for d in range(16, 3, -1):
+        if seq_len % d == 0:
+            return d
+    return seq_len
+
+
+def probe_points(granule: int, *, batched: bool = True, seq_lens: Sequence[int] | None = None,
+                 chunked: bool = False) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """``(fit points, check points)`` as ``(batch, seq_len)`` pairs (see the module doc).
+
+    ``chunked``: the plan cuts the sequence into pieces of ``granule`` (chunks, shards); its
+    probes then start at two pieces (``2g, 3g, 4g``, check ``6g``), since a single piece
+    runs none of the cross-piece machinery whose cost grows with ``T``.
+    """
+    mult = (4, 5, 6, 8) if chunked else (1, 2, 3, 4)
+    ts = list(seq_lens) if seq_lens is not None else [m * granule for m in mult]
+    if len(set(ts[:3])) < 3:
+        raise ValueError(f"probe_seq_lens needs at least three distinct lengths, got {list(ts)}")
+    # B = 1 is avoided: reshapes of broadcast tensors are views there but copies for B > 1,
+    # so a B = 1 probe runs a different op sequence than every larger batch.
+    batches = (2, 3) if batched else (1,)
+    fit = [(b, t) for t in ts[:3] for b in batches]
+    checks = [(batches[0], t) for t in ts[3:]]
+    if batched:
+        checks.append((4, ts[0]))
+    return fit, checks
+
+
+def _options_of(plan: str, options: dict[str, Any]) -> Any:
+    from .. import plans as plan_mod
+
+    try:
+        return get_plan(plan).make_options(**options)
+    except GradshardError:
+        rule = get_rule(plan)
+        cls = {"lasp": getattr(plan_mod, "LaspOptions", None)}.get(plan)
+        if rule.probe_plan is None or cls is None:
+            raise
+        return cls(**options)
+
+
+def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any], device: str | None = None,
+         dtype: torch.dtype | None = None, optimizer: str | float = "adamw",
+         loss_fn: Callable[[Any], torch.Tensor] | None = None, time_axis: tuple[int, int] | None = None,
+         frontend: str = "python", probe_seq_lens: Sequence[int] | None = None, probe_mode: str = "auto",
+         progress: Callable[[str], None] | None = None, **options: Any) -> CostReport:
+    """Symbolic costs of running ``model_or_fn`` under ``plan`` (see the module doc).
+
+    ``example_inputs``: a tuple such that ``model_or_fn(*example_inputs)`` runs (a factory's
+    second value). ``device``: a profile name (``"h100"``) for time estimates and the default
+    memory budget. ``dtype``: price the model cast to this dtype (e.g. ``torch.bfloat16``).
+    ``optimizer``: whose state to count (``"adamw"``: 2 per trainable parameter).
+    ``loss_fn``: what the step backpropagates from the output (default
+    :func:`~gradshard.cost.probe.default_loss`). ``probe_seq_lens``: override the probe
+    lengths (three to fit, more to check). Other keywords are the plan's options.
+    """
+    t_start = time.perf_counter()
+    opts = _options_of(plan, options)
+    rule = get_rule(plan)
+    profile = get_device(device) if device is not None else None
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError("example_inputs must be a tuple of the model's arguments, e.g. (input_ids,)")
+    example_inputs = tuple(example_inputs)
+    say = progress or (lambda msg: None)
+    axes = find_input_axes(model_or_fn, example_inputs, time_axis=time_axis, frontend=frontend)
+    say(f"inputs: {axes.describe()}")
+    plan_granule = rule.granularity(opts)
+    granule = plan_granule if plan_granule > 1 else default_granule(axes.seq_len)
+    batched = any(axes.batch)
+    fit_pts, check_pts = probe_points(granule, batched=batched, seq_lens=probe_seq_lens, chunked=plan_granule > 1)
+    probe_plan = rule.probe_plan or plan
+    probe_opts = rule.probe_options(opts) if rule.probe_plan else dict(options)
+    samples: list[ProbeSample] = []
+    for b, t in fit_pts + check_pts:
+        say(f"probe {probe_plan} at batch={b}, seq_len={t}")
+        samples.append(run_probe(model_or_fn, example_inputs, plan=probe_plan, options=probe_opts, axes=axes,
+                                 batch=b, seq_len=t, loss_fn=loss_fn, time_axis=time_axis, frontend=frontend,
+                                 mode=probe_mode, dtype=dtype))
+    exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
+    notes = [f"probed {len(samples)} compiled steps on {samples[0].mode} tensors in "
+             f"{time.perf_counter() - t_start:.1f} s at (batch, seq_len) = "
+             + ", ".join(f"({s.batch}, {s.seq_len})" for s in samples)]
+    symbols: dict[str, sympy.Symbol] = {"seq_len": T, "batch": B, **rule.symbols}
+    if rule.per_rank_seq_len is not None:
+        exprs = {k: sympy.expand(v.subs(T, rule.per_rank_seq_len)) if not v.has(sympy.Max)
+                 else v.subs(T, rule.per_rank_seq_len) for k, v in exprs.items()}
+        notes.append(f"per-rank costs: probed plan {probe_plan!r} at seq_len = {rule.per_rank_seq_len}")
+    exprs.setdefault("comm_bytes", sympy.Integer(0))
+    if rule.adjust is not None:
+        facts = graph_facts(model_or_fn, example_inputs, axes, rule.needs, time_axis=time_axis,
+                            frontend=frontend, dtype=dtype)
+        exprs.update(rule.adjust(RuleContext(plan, opts, exprs, facts)))
+        exprs["flops"] = exprs["flops_fwd"] + exprs["flops_bwd"]
+    inexact = [q for q, f in fits.items() if not f.exact]
+    if inexact:
+        notes.append("not reproduced exactly on every probe (see .fits): " + ", ".join(inexact))
+    report_dtype = str(dtype or _float_dtype(model_or_fn, example_inputs)).removeprefix("torch.")
+    return CostReport(
+        plan=plan, options={k: v for k, v in options.items()}, expressions=_ordered(exprs), symbols=symbols,
+        defaults=rule.defaults(opts), example={"seq_len": axes.seq_len, "batch": axes.batch_size},
+        method="probe", fits=fits, probes=tuple(samples), regions=samples[0].regions, device=profile,
+        dtype=report_dtype, notes=tuple(notes),
+    )
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def _float_dtype(target: Any, inputs: tuple) -> torch.dtype:
+    import torch.nn as nn
+    import torch.utils._pytree as pytree
+
+    for leaf in pytree.tree_leaves((target, inputs), is_leaf=lambda x: isinstance(x, nn.Module)):
+        if isinstance(leaf, nn.Module):
+            for p in leaf.parameters():
+                if p.is_floating_point():
+                    return p.dtype
+        elif isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.dtype
+    return torch.float32
+
+
+def _fit_samples(samples: Sequence[ProbeSample], states_per_param: float) -> tuple[dict[str, sympy.Expr], dict[str, Fit]]:
+    pts = [(s.batch, s.seq_len) for s in samples]
+    fits: dict[str, Fit] = {
+        "activation_bytes": fit_polynomial(pts, [s.saved_bytes for s in samples]),
+        "peak_bytes": fit_peak(pts, [s.peak_bytes for s in samples], [s.ops for s in samples],
+                               [s.live for s in samples], phase_peaks=[s.phase_peaks for s in samples]),
+        "grad_bytes": fit_polynomial(pts, [s.retained_bytes for s in samples]),
+        "input_bytes": fit_polynomial(pts, [s.input_bytes for s in samples]),
+        "flops_fwd": fit_polynomial(pts, [s.flops_fwd for s in samples]),
+        "flops_bwd": fit_polynomial(pts, [s.flops_bwd for s in samples]),
+        "allocated_bytes": fit_polynomial(pts, [s.allocated_bytes for s in samples]),
+    }
+    state = {s.state_bytes for s in samples}
+    trainable = {s.trainable_bytes for s in samples}
+    if len(state) != 1 or len(trainable) != 1:
+        raise GradshardError(f"the compiled step's parameters changed with the probe size ({sorted(state)}); "
+                             "the cost model assumes a fixed model")
+    param_bytes = sympy.Integer(state.pop())
+    optimizer = sympy.nsimplify(states_per_param) * sympy.Integer(trainable.pop())
+    e = {q: f.expr for q, f in fits.items()}
+    exprs = {
+        "activation_bytes": e["activation_bytes"],
+        "peak_bytes": e["peak_bytes"],
+        "param_bytes": param_bytes,
+        "grad_bytes": e["grad_bytes"],
+        "optimizer_bytes": optimizer,
+        "input_bytes": e["input_bytes"],
+        "flops_fwd": e["flops_fwd"],
+        "flops_bwd": e["flops_bwd"],
+        "hbm_bytes": 2 * e["allocated_bytes"] + 2 * param_bytes,
+    }
+    exprs["total_bytes"] = param_bytes + optimizer + e["input_bytes"] + e["peak_bytes"]
+    exprs["flops"] = e["flops_fwd"] + e["flops_bwd"]
+    return exprs, fits
+
+
+def _ordered(exprs: dict[str, sympy.Expr]) -> dict[str, sympy.Expr]:
+    from .report import QUANTITIES
+
+    return {q: exprs[q] for q in QUANTITIES if q in exprs} | {q: v for q, v in exprs.items() if q not in QUANTITIES}

@@ -1,0 +1,153 @@
+"""Per-plan cost rules: one small registry entry per plan.
+
+The probed expressions (fitted to fake-tensor runs of the compiled plan, see
+:mod:`gradshard.cost.probe`) already follow each plan's schedule: what it saves, recomputes
+and frees. A :class:`PlanRule` adds what one process cannot observe or what a probe size
+must respect:
+
+- ``granularity(options)``: probe sequence lengths are multiples of it (a chunk, a shard);
+- ``symbols``/``defaults``: extra symbols of the plan (LASP's world size ``R``);
+- ``probe_plan``/``per_rank_seq_len``: probe another plan at another length instead (a
+  sequence-parallel rank runs its slice of ``T/R`` tokens);
+- ``adjust(ctx)``: rewrite the probed expressions (communication per step, expected values
+  of randomised plans, optimizer state of the trainable parameters only).
+
+Rules come from the plans' semantics in DESIGN.md:
+
+==================  ====================================================================
+none                plain autograd: everything saved, as probed
+adjoint             layer inputs + state checkpoints at shard boundaries + one shard's
+                    working set, as probed (shards of ``shard_size``)
+truncated_adjoint   adjoint + the window buffer, as probed
+seco                KV cache / state checkpoints + one chunk's graph, as probed
+spaco               seco's memory; backward FLOPs of the kept chunks, ``budget/k`` of them in
+                    expectation (``k = ceil(T / chunk_size)``)
+lasp                per rank: the model on ``T/R`` tokens (probed as plan ``none`` at ``T/R``)
+                    plus one ``B·H·dk·dv`` state per linear-attention layer and direction
+                    sent to the neighbour, plus the gradient all-reduce (ring:
+                    ``2·(R-1)/R·grad_bytes``) when ``reduce_grads``
+partial_update      gradients and optimizer state of the trainable slice only; weight-gradient
+                    FLOPs of the frozen slices skipped, as probed
+==================  ====================================================================
+
+``register_rule`` adds or replaces an entry; plans without one use the ``none`` rule with
+the plan's own probes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import sympy
+
+from .fit import B, T
+
+__all__ = ["PlanRule", "RuleContext", "RULES", "register_rule", "get_rule", "R", "OPTIMIZER_STATES",
+           "optimizer_states"]
+
+R = sympy.Symbol("R", positive=True, integer=True)  # world size (ranks of a sequence-parallel group)
+
+# Optimizer state per trainable parameter, in parameter-sized tensors.
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1, "sgd_momentum": 1,
+                                    "adagrad": 1, "rmsprop": 1, "lion": 1, "none": 0}
+
+
+def optimizer_states(optimizer: str | int | float) -> float:
+    """State tensors per parameter for ``optimizer`` (a name from :data:`OPTIMIZER_STATES` or a number)."""
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
+        return float(optimizer)
+    key = str(optimizer).lower()
+    if key not in OPTIMIZER_STATES:
+        raise KeyError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)} (or pass a number of "
+                       "parameter-sized state tensors)")
+    return float(OPTIMIZER_STATES[key])
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a rule's ``adjust`` sees: options, probed expressions and graph facts."""
+
+    plan: str
+    options: Any
+    expressions: Mapping[str, sympy.Expr]
+    facts: Mapping[str, Any]
+
+
+def _one(options: Any) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class PlanRule:
+    """How to price one plan (see the module doc)."""
+
+    plan: str
+    doc: str
+    granularity: Callable[[Any], int] = _one
+    symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)
+    defaults: Callable[[Any], dict[str, int]] = lambda options: {}
+    probe_plan: str | None = None
+    probe_options: Callable[[Any], dict[str, Any]] = lambda options: {}
+    per_rank_seq_len: sympy.Expr | None = None
+    adjust: Callable[[RuleContext], dict[str, sympy.Expr]] | None = None
+    needs: tuple[str, ...] = ()  # graph facts adjust() reads (see gradshard.cost.facts)
+
+
+RULES: dict[str, PlanRule] = {}
+
+
+def register_rule(rule: PlanRule) -> PlanRule:
+    RULES[rule.plan] = rule
+    return rule
+
+
+def get_rule(plan: str) -> PlanRule:
+    """The rule of ``plan`` (plans without one are priced like ``none``: as probed)."""
+    return RULES.get(plan) or PlanRule(plan=plan, doc="as probed (no plan-specific rule)")
+
+
+def _opt(options: Any, name: str, default: Any = None) -> Any:
+    return getattr(options, name, default)
+
+
+def _lcm(*xs: int) -> int:
+    out = 1
+    for x in xs:
+        if x:
+            out = out * int(x) // math.gcd(out, int(x))
+    return out
+
+
+register_rule(PlanRule("none", "plain autograd: every saved activation, as probed"))
+register_rule(PlanRule(
+    "adjoint", "layer inputs + state checkpoints at shard boundaries + one shard's working set, as probed",
+    granularity=lambda o: _opt(o, "shard_size", 1)))
+register_rule(PlanRule(
+    "truncated_adjoint", "adjoint + the window buffer, as probed",
+    granularity=lambda o: _lcm(_opt(o, "shard_size", 1), min(_opt(o, "window", 1), _opt(o, "shard_size", 1)))))
+register_rule(PlanRule(
+    "seco", "KV cache / state checkpoints + one chunk's graph, as probed",
+    granularity=lambda o: _opt(o, "chunk_size", 1)))
+register_rule(PlanRule(
+    "partial_update", "gradients and optimizer state of the trainable slice only, as probed"))
+
+
+register_rule(PlanRule(
+    "spaco", "seco's memory; backward FLOPs of budget/k of the chunks in expectation",
+    granularity=lambda o: _opt(o, "chunk_size", 1)))
+
+
+def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
+    """Per-rank costs at ``T/R`` plus the KV-state relay and the gradient all-reduce."""
+    state = ctx.facts["linear_attention_state_bytes"]  # sum over layers of B*H*dk*dv*bytes
+    relay = 2 * state  # forward KV to rank+1, backward dKV to rank-1
+    reduce = 2 * (R - 1) / R * ctx.expressions["grad_bytes"] if _opt(ctx.options, "reduce_grads", True) else 0
+    return {"comm_bytes": relay + reduce}
+
+
+register_rule(PlanRule(
+    "lasp", "per rank: the model on T/R tokens + one B*H*dk*dv state per layer and direction + grad all-reduce",
+    symbols={"world_size": R}, defaults=lambda o: {"world_size": 2}, probe_plan="none",
+    per_rank_seq_len=T / R, adjust=_lasp_adjust, needs=("linear_attention_state_bytes",)))

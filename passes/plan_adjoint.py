@@ -1,0 +1,44 @@
+"""Register ``plan="adjoint"`` and ``plan="truncated_adjoint"`` (adjoint sharding, Xu et al.).
+
+Both plans share one pipeline; the options decide the backward (exact adjoint, or the
+windowed adjoint of DESIGN.md with ``window``).
+"""
+
+from __future__ import annotations
+
+from gradshard.plans import AdjointOptions, PlanSpec, TruncatedAdjointOptions, register_plan
+
+_PASSES = (
+    # 1. time axis and per-node reach: everything below reads ctx.analyses["time"].
+    "annotate_time:annotate_time_locality",
+    # 2. roll unrolled per-timestep loops into one scan each; must precede detection (the
+    #    detectors see scans, not T copies of a step) and recomputes the time analysis.
+    "roll_loops:roll_loops",
+    # 3. rewrite vectorised scans (log-space cumsum, associative_scan trees, cumsum) as one
+    #    scan-op node each and recompute the time analysis; after rolling (loops become scan
+    #    ops too), before detection (which then sees one node per recurrence).
+    "canonicalize_recurrence:canonicalize_recurrences",
+    # 4. report regions (recurrences, and anything else that reads far along time); pure.
+    "detect_regions:detect_regions",
+    # 5. cut each recurrence's producers/scan/readout into one AdjointRegion module; needs
+    #    the regions of step 4 (it replaces them with the per-layer regions it installs).
+    "rewrite_adjoint:rewrite_adjoint",
+)
+
+register_plan(PlanSpec(
+    name="adjoint",
+    options=AdjointOptions,
+    passes=_PASSES,
+    gradient="exact",
+    doc="Adjoint sharding: per layer, store the layer input and state checkpoints; the backward "
+        "runs the adjoint reverse scan and independent VJP shards over time.",
+))
+
+register_plan(PlanSpec(
+    name="truncated_adjoint",
+    options=TruncatedAdjointOptions,
+    passes=_PASSES,
+    gradient="exact for window >= T; windowed (each loss term reaches the last `window` transitions) otherwise",
+    doc="Truncated adjoint sharding: like adjoint, with the adjoint state truncated to `window` "
+        "steps (computed blockwise in O(T)).",
+))

@@ -1,0 +1,81 @@
+"""Models chunking cannot run exactly get an error naming the node, its line, why, and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradshard as gs
+from chunked_models import (BadBidirectional, BadDropout, BadFutureShift, BadGlobalNorm, BadLastToken,
+                            BadReverseScan)
+
+
+@pytest.mark.parametrize("model_cls, node, why", [
+    (BadBidirectional, "scaled_dot_product_attention", "non-causal attention"),
+    (BadFutureShift, "slice", "reads step(s) after"),
+    (BadGlobalNorm, "sub", "reduction over the whole sequence"),
+    (BadLastToken, "select", "selects one time step"),
+    (BadReverseScan, "flip", "reverses the time axis"),
+    (BadDropout, "dropout", "random numbers"),
+])
+def test_unsupported_models_raise_with_the_node_and_line(model_cls: type, node: str, why: str) -> None:
+    model = model_cls()
+    with pytest.raises(gs.UnsupportedGraphError) as info:
+        gs.compile(model, plan="seco", chunk_size=3)(torch.randn(2, 9, 8))
+    msg = str(info.value)
+    assert f"node `{node}" in msg
+    assert why in msg
+    assert "chunked_models.py" in msg  # the user's source line
+    assert "instead:" in msg
+
+
+class _ExplicitNoMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cumsum(self.lin(x), 1)  # a time axis the analysis can see
+        return torch.softmax(x @ x.transpose(1, 2), dim=-1) @ x
+
+
+def test_explicit_attention_without_mask_is_non_causal() -> None:
+    with pytest.raises(gs.UnsupportedGraphError, match="without a causal mask|reads future"):
+        gs.compile(_ExplicitNoMask(), plan="seco", chunk_size=4)(torch.randn(1, 8, 8))
+
+
+def test_dropout_in_eval_mode_is_fine() -> None:
+    model = BadDropout().eval()
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    out = gs.compile(model, plan="seco", chunk_size=4)(x)
+    assert torch.allclose(out, model(x))
+
+
+def test_spaco_rejects_the_same_models() -> None:
+    with pytest.raises(gs.UnsupportedGraphError, match="non-causal"):
+        gs.compile(BadBidirectional(), plan="spaco", chunk_size=3, budget=2)(torch.randn(2, 9, 8))
+
+
+def test_bad_options() -> None:
+    with pytest.raises(gs.GradshardError, match="chunk_size"):
+        gs.compile(nn.Linear(2, 2), plan="seco", chunk_size=0)
+    with pytest.raises(gs.GradshardError, match="sampling"):
+        gs.compile(nn.Linear(2, 2), plan="spaco", sampling="uniform")
+
+
+def test_plan_none_still_reports_non_causal_attention_without_raising() -> None:
+    cm = gs.compile(BadBidirectional(), plan="none")
+    cm(torch.randn(2, 9, 8))
+    att = [r for r in cm.regions if r.kind == "attention"]
+    assert len(att) == 1 and att[0].options["causal"] is False
+
+
+def test_max_over_time_in_the_loss_is_rejected() -> None:
+    def loss_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = F.scaled_dot_product_attention(model(x).unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), is_causal=True)
+        return y.amax()
+
+    with pytest.raises(gs.UnsupportedGraphError, match="does not split into a sum over chunks"):
+        gs.compile(loss_fn, plan="seco", chunk_size=3)(nn.Linear(8, 8), torch.randn(2, 9, 8))

@@ -1,0 +1,147 @@
+"""plan="seco" gives the exact gradient (float64, relative error <= 1e-10) on causal models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradshard as gs
+from chunk_testing import grads, rel_err
+from chunked_models import ConvAttnLM, ScanRoPELM, TinyGPT
+from examples.factories import hybrid, llama, llama_explicit_softmax, llama_hf, llama_loss
+
+TOL = 1e-10
+
+
+def _check_module(model: torch.nn.Module, inputs: tuple, chunk: int, wrt_inputs: bool = False) -> gs.CompiledModule:
+    cm = gs.compile(model, plan="seco", chunk_size=chunk)
+    out = cm(*inputs)
+    ref = model(*inputs)
+    assert (out - ref).abs().max() <= 1e-12 * max(1.0, ref.abs().max().item())
+    cot = torch.randn_like(ref)
+    wrt = [*model.parameters(), *(x for x in inputs if wrt_inputs and x.is_floating_point())]
+    assert rel_err(grads(ref, wrt, cot), grads(out, wrt, cot)) <= TOL
+    return cm
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_llama_sdpa_gqa_rope(batch: int) -> None:
+    model, (ids,) = llama(seq_len=23, batch=batch, dtype=torch.float64)  # T=23: not a multiple of 5
+    cm = _check_module(model, (ids,), chunk=5)
+    region = cm.graph.seco_0
+    assert region.program.num_chunks == 5
+    kinds = {r.kind for r in cm.regions}
+    assert "attention" in kinds
+    att = [r for r in cm.regions if r.kind == "attention"]
+    assert all(r.options["n_rep"] == 2 and r.options["rope"] and r.options["causal"] for r in att)
+    # the KV cache is the pre-repeat keys/values (2 kv heads), read by flash attention
+    for r in att:
+        assert r.options["k_cache"] in region.program.cache_points
+        assert tuple(region.program.nodes[r.options["k_cache"]].meta["val"].shape)[1] == 2
+
+
+def test_llama_explicit_softmax_repeat_interleave() -> None:
+    model, (ids,) = llama_explicit_softmax(seq_len=19, batch=2, kv_repeat="repeat_interleave",
+                                           dtype=torch.float64)
+    cm = _check_module(model, (ids,), chunk=4)
+    att = [r for r in cm.regions if r.kind == "attention"]
+    assert len(att) == 2 and all(r.options["form"] == "explicit" for r in att)
+
+
+def test_llama_mha_without_gqa() -> None:
+    model, (ids,) = llama_explicit_softmax(seq_len=13, batch=2, n_kv_heads=4, dtype=torch.float64)
+    _check_module(model, (ids,), chunk=3)
+
+
+def test_hybrid_ssm_attention() -> None:
+    model, (ids,) = hybrid(seq_len=21, batch=2, dtype=torch.float64)
+    cm = _check_module(model, (ids,), chunk=4)
+    reasons = {s.reason for s in cm.graph.seco_0.program.cache_points.values()}
+    assert "scan carry" in reasons  # the log-space cumsum scans carry their state across chunks
+    assert any(r.kind == "linear_recurrence" for r in cm.regions)
+
+
+def test_user_gpt_learned_positions_bool_mask_layernorm() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    _check_module(model, (torch.randint(0, 50, (3, 21)),), chunk=4)
+
+
+def test_user_conv_running_mean_float_mask() -> None:
+    torch.manual_seed(1)
+    model = ConvAttnLM().double()
+    cm = _check_module(model, (torch.randint(0, 40, (2, 19)),), chunk=4)
+    specs = cm.graph.seco_0.program.cache_points.values()
+    assert any(s.retention == 2 for s in specs)  # kernel-3 causal conv after attention: 2-step tail
+
+
+def test_user_linear_scan_cached_rope_token_shift_input_grads() -> None:
+    torch.manual_seed(2)
+    model = ScanRoPELM().double()
+    x = torch.randn(3, 17, 16, dtype=torch.float64, requires_grad=True)
+    _check_module(model, (x,), chunk=4, wrt_inputs=True)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 50])
+def test_chunk_sizes_one_exact_and_larger_than_t(chunk: int) -> None:
+    model, (ids,) = llama(seq_len=7, batch=2, dtype=torch.float64)
+    _check_module(model, (ids,), chunk=chunk)
+
+
+def test_loss_inside_mean_cross_entropy_with_ignore_index() -> None:
+    fn, (model, (ids, labels)) = llama_loss(seq_len=23, batch=3, dtype=torch.float64)
+    labels = labels.clone()
+    labels[0, 3:9] = -100
+    cm = gs.compile(fn, plan="seco", chunk_size=5)
+    loss = cm(model, (ids, labels))
+    ref = fn(model, (ids, labels))
+    assert abs(loss.item() - ref.item()) <= 1e-12
+    ps = list(model.parameters())
+    assert rel_err(grads(ref, ps), grads(loss, ps)) <= TOL
+    # the region returns only the loss: logits are never assembled over the full sequence
+    outs = cm.graph.seco_0.program.outputs
+    assert [o.kind for o in outs] == ["reduction"]
+
+
+def test_hf_style_output_with_shifted_labels() -> None:
+    model, (ids, pos, labels) = llama_hf(seq_len=23, batch=3, dtype=torch.float64)
+    labels = labels.clone()
+    labels[1, :5] = -100
+    cm = gs.compile(model, plan="seco", chunk_size=4)
+    out, ref = cm(ids, pos, labels), model(ids, pos, labels)
+    assert type(out).__name__ == "CausalLMOutput"
+    assert (out.logits - ref.logits).abs().max() <= 1e-12
+    ps = list(model.parameters())
+    assert rel_err(grads(ref.loss, ps), grads(out.loss, ps)) <= TOL
+
+
+def test_loss_arithmetic_after_the_reductions_stays_outside() -> None:
+    model, (ids,) = llama(seq_len=17, batch=2, dtype=torch.float64)
+    labels = torch.randint(0, 256, ids.shape)
+
+    def loss_fn(m: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = m(ids)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        z = (logits**2).mean()
+        return 0.5 * ce / ids.numel() + 1e-3 * z + logits[..., 0].sum() * 1e-2
+
+    cm = gs.compile(loss_fn, plan="seco", chunk_size=4)
+    loss, ref = cm(model, ids, labels), loss_fn(model, ids, labels)
+    assert abs(loss.item() - ref.item()) <= 1e-12 * abs(ref.item())
+    ps = list(model.parameters())
+    assert rel_err(grads(ref, ps), grads(loss, ps)) <= TOL
+    assert sorted(o.reduction.kind for o in cm.graph.seco_0.program.outputs) == ["mean", "sum", "sum"]
+
+
+def test_float32_close_and_repeated_calls_accumulate() -> None:
+    model, (ids,) = llama(seq_len=20, batch=2)
+    cm = gs.compile(model, plan="seco", chunk_size=6)
+    for _ in range(2):
+        cm(ids).square().mean().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for _ in range(2):
+        model(ids).square().mean().backward()
+    assert rel_err([p.grad for p in model.parameters()], got) <= 1e-5
+    assert cm.graph.seco_0.stats["forward_calls"] == 2
