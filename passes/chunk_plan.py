@@ -33,7 +33,7 @@ from gradshard.ir import Region
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.runtime.chunk_cache import CacheSpec
 from gradshard.runtime.chunk_eval import ChunkEvaluator, NeedsCache, RecursionGuard
-from gradshard.runtime.chunk_frames import Frame, TDim
+from gradshard.runtime.chunk_frames import SKIP, Frame, TDim
 from gradshard.runtime.chunk_reductions import make_reduction
 from gradshard.runtime.chunk_rules import (AttentionSource, BuildCtx, NodeRule, build_rule, meta_shape,
                                            missing_frame_error, reshape_time, slots_of)
@@ -220,7 +220,7 @@ def _check_boundary(nodes: dict[str, fx.Node], rules: dict[str, NodeRule], slots
         node = nodes[name]
         if node.op != "call_function":
             continue
-        ins = slots[name]
+        ins = [a for a, m in zip(slots[name], rule.slots) if m is not SKIP]  # SKIP: dtype/device only
         if rule.frame and any(rules[a.name].kind == "global" for a in ins if a.name in rules):
             g = next(a for a in ins if rules[a.name].kind == "global")
             raise node_error(node, f"uses `{g.name}`, a reduction over the whole sequence, inside the model "

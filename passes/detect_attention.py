@@ -89,8 +89,23 @@ def kv_source(k: fx.Node) -> tuple[fx.Node, int, str, tuple[str, ...]]:
     return k, 1, "none", ()
 
 
+def _rotate_half_pattern(node: fx.Node) -> bool:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half = cat(-x2, x1)`` (cached cos/sin)."""
+    if node.op != "call_function" or node.target is not aten.add.Tensor:
+        return False
+    for m in node.args:
+        if isinstance(m, fx.Node) and m.op == "call_function" and m.target is aten.mul.Tensor:
+            for c in m.args:
+                if isinstance(c, fx.Node) and c.op == "call_function" and c.target is aten.cat.default \
+                        and any(p.op == "call_function" and p.target is aten.neg.default for p in c.args[0]):
+                    return True
+    return False
+
+
 def _has_rope(node: fx.Node, depth: int = 10) -> bool:
-    """Do ``cos``/``sin`` of something feed ``node`` within ``depth`` ops?"""
+    """Rotary embedding on ``node``: the rotate-half pattern, or cos/sin within ``depth`` ops."""
+    if _rotate_half_pattern(node):
+        return True
     frontier, seen = [node], set()
     for _ in range(depth):
         nxt = []

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.analysis.dims import shape_of
-from gradshard.analysis.locality import TimeLocality
+from gradshard.analysis.locality import DATA_INDEPENDENT, TimeLocality
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext
 
@@ -77,6 +77,7 @@ class Finding:
     inputs: tuple[str, ...]  # module inputs in LaspSpec order
     output: str
     region: Region
+    decay_value: Optional[torch.Tensor] = field(default=None, compare=False)  # baked canonical decay
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,8 @@ def _certify(comp: Component, members: list[fx.Node], out: fx.Node, by_name: dic
                 batch, heads, dk, dv = qc[0], qc[1], qc[3], vc[3]
                 q_shape = tuple(_val(q).shape)
                 if gate is not None:
-                    gspec = decay_spec_for(tuple(_val(gate).shape), q_shape, ql, "step", transform)
+                    gspec = decay_spec_for(tuple(_val(gate).shape), q_shape, ql, "step", transform,
+                                           src_time_dim=tl.time_dim(gate))
                     options = [(gspec, gate)] if gspec is not None else []
                 else:
                     options = _decay_candidates(comp, by_name, consts, q_shape, ql, tl)
@@ -330,14 +332,41 @@ def _certify(comp: Component, members: list[fx.Node], out: fx.Node, by_name: dic
                         continue
                     if not _matches(got, qv, kv_, vv, decay):
                         continue
+                    baked = None
+                    if src is not None and src.name not in env and not _reads_inputs(src):
+                        # a decay fixed in the code (a tril mask, a float λ): store it, keep no node
+                        if bool((decay == 1).all()):
+                            dspec = DecaySpec()
+                        else:
+                            dspec = DecaySpec(dspec.kind if dspec.kind == "step" else "head", "identity",
+                                              heads=heads, canon_shape=tuple(decay.shape), baked=True)
+                            baked = decay
                     spec = LaspSpec(_numeric_form(members, tl), ql, kl, vl, out_layout, dspec, ov.dtype,
                                     heads, dk, dv, batch)
-                    names = [q.name, k.name, v.name] + ([src.name] if dspec.kind != "none" else [])
+                    uses_src = dspec.kind != "none" and not dspec.baked
+                    names = [q.name, k.name, v.name] + ([src.name] if uses_src else [])
                     anchor = next((n for n in members if len(tl[n].time_dims) == 2), members[-1])
-                    return _finding(comp, spec, names, out, anchor, by_name, index)
+                    return _finding(comp, spec, names, out, anchor, by_name, index, decay_value=baked)
     why = ("no assignment of its inputs to q, k, v (and gates) with a causal decay reproduces linear "
            f"attention ({tried} tried on random inputs)")
     return Rejection(comp, out.name, why)
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Does ``node`` depend on a graph input (parameter, buffer, data)? Shapes do not count."""
+    seen: set[str] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        if n.op == "placeholder":
+            return True
+        if getattr(n.target, "_overloadpacket", None) in DATA_INDEPENDENT:
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _layouts(q: fx.Node, k: fx.Node, v: fx.Node, tl: TimeLocality):
@@ -448,14 +477,16 @@ def _numeric_form(members: list[fx.Node], tl: TimeLocality) -> str:
 
 def _finding(comp: Component, spec: LaspSpec, inputs: list[str], out: fx.Node, anchor: fx.Node,
              by_name: dict[str, fx.Node], index: int, *, kind: str = KIND,
-             extra: dict[str, Any] | None = None) -> Finding:
+             extra: dict[str, Any] | None = None, decay_value: Optional[torch.Tensor] = None) -> Finding:
     elem = 4 if spec.out_dtype.itemsize < 4 else spec.out_dtype.itemsize
     options: dict[str, Any] = {"form": spec.form}
     if spec.form != "cumsum":
         options.update(q=inputs[0], k=inputs[1], v=inputs[2],
                        layout=spec.q.describe(), heads=spec.heads, dk=spec.dk, dv=spec.dv,
                        decay=spec.decay.describe())
-        if spec.decay.kind != "none":
+        if spec.decay.baked:
+            options["decay_source"] = "constant in the code"
+        elif spec.decay.kind != "none":
             options["decay_source"] = inputs[3]
     else:
         options.update(summand=inputs[0], **(extra or {}))
@@ -466,7 +497,7 @@ def _finding(comp: Component, spec: LaspSpec, inputs: list[str], out: fx.Node, a
     region = Region(kind=kind, name=f"{kind}_{index}", nodes=comp.nodes, inputs=tuple(inputs),
                     outputs=(out.name,), time_axis=(spec.out.time_dim if spec.out else spec.scan_dim),
                     source=source_of(anchor) or source_of(out), options=options)
-    return Finding(comp, spec, tuple(inputs), out.name, region)
+    return Finding(comp, spec, tuple(inputs), out.name, region, decay_value)
 
 
 _VIEWS = {aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,

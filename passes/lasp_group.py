@@ -103,7 +103,7 @@ def exchange_layout(g: LaspGroup, local_len: int, signature: Sequence[int]) -> L
     if not torch.equal(hi, lo):
         raise GradshardError(
             f"plan 'lasp' on rank {g.rank}: the ranks compiled different programs (this rank: "
-            f"{sig.tolist()} = [LASP layers, state elements, reduced parameters, parameter elements]; "
+            f"{sig.tolist()} = [LASP layers, state elements, reduced parameters, parameter elements, halos]; "
             f"over the group: {lo.tolist()} .. {hi.tolist()}). Every rank must compile the same model "
             "with inputs that differ only in their sequence slice."
         )

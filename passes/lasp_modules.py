@@ -43,8 +43,10 @@ class LaspAttentionRegion(nn.Module):
     """
 
     def __init__(self, site: str, layer_id: int, spec: LaspSpec, group: LaspGroup, chunk_size: int,
-                 local_len: int, source: str = "") -> None:
+                 local_len: int, source: str = "", decay_value: torch.Tensor | None = None) -> None:
         super().__init__()
+        # a decay fixed in the model's code (spec.decay.baked), canonical (H,) or (B, H, T)
+        self.register_buffer("decay_value", decay_value, persistent=False)
         self.site, self.layer_id, self.spec = site, layer_id, spec
         self.group = group
         self.chunk_size = chunk_size
@@ -53,7 +55,8 @@ class LaspAttentionRegion(nn.Module):
         self.kernel_backend: str | None = None  # set by lower_kernels
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        q, k, v, decay, s0 = self.spec.canonical(*args)
+        baked = self.decay_value.to(args[0].dtype) if self.decay_value is not None else None
+        q, k, v, decay, s0 = self.spec.canonical(*args, baked_decay=baked)
         o = lasp_attention(
             q.contiguous(), k.contiguous(), v.contiguous(),
             None if decay is None else decay.contiguous(),

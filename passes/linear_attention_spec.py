@@ -90,6 +90,9 @@ class DecaySpec:
     wf_perm: tuple[int, ...] = ()  # that shape -> (B, [H,] T)
     single_head: bool = False  # q is (B, T, d): insert H = 1
     heads: int = 1
+    src_perm: tuple[int, ...] = ()  # a gate with its own time axis: its dims -> (B, [H,] T)
+    canon_shape: tuple[int, ...] = ()  # (B, H, T)
+    baked: bool = False  # a constant decay (no parameter/buffer behind it), stored canonically
 
     def values(self, src: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The canonical decay from the source tensor (``None`` for ``kind == "none"``)."""
@@ -104,9 +107,15 @@ class DecaySpec:
             return self._apply(x)
         if self.squeeze_dim is not None:
             x = x.squeeze(self.squeeze_dim)
-        x = x.expand(self.expand_shape).permute(self.wf_perm)
-        if self.single_head:
-            x = x.unsqueeze(1)
+        if self.src_perm:
+            x = x.permute(self.src_perm)
+            if self.single_head:
+                x = x.unsqueeze(1)
+            x = x.expand(self.canon_shape)
+        else:
+            x = x.expand(self.expand_shape).permute(self.wf_perm)
+            if self.single_head:
+                x = x.unsqueeze(1)
         if self.kind == "head":
             return self._apply(x[0, :, 0])
         return self._apply(x).contiguous()
@@ -122,13 +131,37 @@ class DecaySpec:
 
 
 def decay_spec_for(src_shape: tuple[int, ...], q_shape: tuple[int, ...], q_layout: TensorLayout,
-                   kind: str, transform: str) -> Optional[DecaySpec]:
-    """A :class:`DecaySpec` for a source of ``src_shape`` against q (None if it cannot fit)."""
+                   kind: str, transform: str, src_time_dim: Optional[int] = None) -> Optional[DecaySpec]:
+    """A :class:`DecaySpec` for a source of ``src_shape`` against q (None if it cannot fit).
+
+    ``src_time_dim``: the time dim of a time-carrying gate; its other dims are read as
+    ``(B, H)`` in order (``(B, T, H)`` and ``(B, H, T)`` gates alike). Without it the
+    source is right-aligned with q's shape minus the feature dim.
+    """
     heads = 1 if q_layout.rank == 3 else q_shape[q_layout.perm[1]]
     seq = q_shape[q_layout.time_dim]
+    batch = q_shape[q_layout.perm[0]]
     f = q_layout.feature_dim
     if kind == "none":
         return DecaySpec()
+    if src_time_dim is not None:
+        dims = [d for d in range(len(src_shape)) if d != src_time_dim]
+        squeeze = None
+        want = 1 if q_layout.rank == 3 else 2
+        if len(dims) == want + 1 and src_shape[dims[-1]] == 1:  # a trailing singleton (B, T, H, 1)
+            squeeze = dims.pop()
+        if len(dims) != want or src_shape[src_time_dim] != seq:
+            return None
+        if squeeze is not None:
+            shifted = [d - (d > squeeze) for d in dims]
+            t = src_time_dim - (src_time_dim > squeeze)
+        else:
+            shifted, t = dims, src_time_dim
+        lead = [src_shape[d] for d in dims]
+        if lead[0] not in (1, batch) or (want == 2 and lead[1] not in (1, heads)):
+            return None
+        return DecaySpec(kind, transform, squeeze, single_head=q_layout.rank == 3, heads=heads,
+                         src_perm=(*shifted, t), canon_shape=(batch, heads, seq))
     if kind == "mask":
         if len(src_shape) < 2 or src_shape[-1] != seq or src_shape[-2] != seq or seq < 2:
             return None
@@ -184,14 +217,17 @@ class LaspSpec:
     def num_inputs(self) -> int:
         if self.form == "cumsum":
             return 1
-        return 3 + (self.decay.kind != "none") + self.has_initial_state
+        return 3 + (self.decay.kind != "none" and not self.decay.baked) + self.has_initial_state
 
     def state_elements(self) -> int:
         """Elements of one KV state (what one rank sends per direction): B·H·dk·dv."""
         return self.batch * self.heads * self.dk * self.dv
 
-    def canonical(self, *args: torch.Tensor) -> tuple:
-        """``(q, k, v, decay, initial_state)`` in canonical layouts from the module inputs."""
+    def canonical(self, *args: torch.Tensor, baked_decay: Optional[torch.Tensor] = None) -> tuple:
+        """``(q, k, v, decay, initial_state)`` in canonical layouts from the module inputs.
+
+        ``baked_decay``: the canonical decay of a ``baked`` spec (held by the region module).
+        """
         if self.form == "cumsum":
             (u,) = args
             t = u.shape[self.scan_dim]
@@ -202,10 +238,12 @@ class LaspSpec:
             return ones, ones, x, None, None
         q, k, v = args[:3]
         rest = list(args[3:])
-        src = rest.pop(0) if self.decay.kind != "none" else None
+        if self.decay.baked:
+            decay = None if baked_decay is None else baked_decay.to(q.device)
+        else:
+            decay = self.decay.values(rest.pop(0) if self.decay.kind != "none" else None)
         s0 = rest.pop(0) if self.has_initial_state else None
-        return (self.q.to_canonical(q), self.k.to_canonical(k), self.v.to_canonical(v),
-                self.decay.values(src), s0)
+        return self.q.to_canonical(q), self.k.to_canonical(k), self.v.to_canonical(v), decay, s0
 
     def restore(self, o: torch.Tensor) -> torch.Tensor:
         """The canonical output back in the graph's layout and dtype."""

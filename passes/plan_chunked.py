@@ -13,6 +13,9 @@ from gradshard.plans import PlanSpec, SecoOptions, SpacoOptions, register_plan
 _PASSES = (
     # The time analysis comes first: everything after reads ctx.analyses["time"].
     "annotate_time:annotate_time_locality",
+    # Per-timestep Python loops become one linear_scan each (run chunk by chunk with a carried
+    # state); needs the time analysis and recomputes it, so detection below sees the scans.
+    "roll_loops:roll_loops",
     # Detectors (attention among them) need the time analysis (causality, score matrices);
     # their attention regions name the KV cache points the planner keeps.
     "detect_regions:detect_regions",

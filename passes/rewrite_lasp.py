@@ -34,6 +34,7 @@ from gradshard.pipeline import PassContext, PassResult, graph_pass
 
 from .detect_linear_attention import KIND, analyze_linear_attention
 from .lasp_group import LaspGroup, exchange_layout, resolve_group
+from .lasp_halo import HaloRoot, apply_halo, plan_halo
 from .lasp_locality import (
     ReductionEdit,
     check_constants,
@@ -96,12 +97,17 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     by_name = {n.name: n for n in gm.graph.nodes}
 
     reductions: list[ReductionEdit] = []
-    shares: set[str] = set()  # members of reductions over time (they stay, as per-rank shares)
+    shares: set[str] = set()  # members of reductions (per-rank shares) and halo windows: they stay
+    halos: list[HaloRoot] = []
     for rj in analysis.rejections:
-        edits = plan_reductions(rj.component, by_name, analysis.classes) if rj.kind != "softmax_attention" else None
-        if edits is None:
+        if rj.kind in ("softmax_attention", "kernel_state"):
             raise explain_component(rj, by_name, tl)
-        reductions.extend(edits)
+        edits = plan_reductions(rj.component, by_name, analysis.classes)
+        roots = plan_halo(rj.component, by_name, tl, analysis.classes) if edits is None else None
+        if edits is None and roots is None:
+            raise explain_component(rj, by_name, tl)
+        reductions.extend(edits or [])
+        halos.extend(roots or [])
         shares.update(rj.component.nodes)
     findings = analysis.findings
     if not findings:
@@ -114,7 +120,7 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     group = resolve_group(opts.group, getattr(opts, "timeout_s", None))
     params = _trainable_params(gm, ctx) if opts.reduce_grads else []
     states = [f.spec.state_elements() for f in findings]
-    signature = (len(findings), sum(states), len(params), sum(p[1].numel() for p in params))
+    signature = (len(findings), sum(states), len(params), sum(p[1].numel() for p in params), len(halos))
     group = exchange_layout(group, tl.seq_len, signature)
 
     new_graph = fx.Graph()
@@ -129,7 +135,8 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         site = f"lasp_{layer_id}"
         src = f.region.source
         mod = LaspAttentionRegion(site, layer_id, f.spec, group, opts.chunk_size, tl.seq_len,
-                                  source=f"{src.file.rsplit('/', 1)[-1]}:{src.line}" if src else "")
+                                  source=f"{src.file.rsplit('/', 1)[-1]}:{src.line}" if src else "",
+                                  decay_value=f.decay_value)
         new_gm.add_submodule(site, mod)
         old_out = nodes[f.output]
         with new_graph.inserting_before(old_out):
@@ -143,6 +150,8 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             regions.append(f.region)
     for edit in reductions:
         notes.append(_apply_reduction(new_gm, nodes, edit, group, tl.seq_len))
+    for halo_id, root in enumerate(halos):
+        notes.append(apply_halo(new_gm, nodes, root, halo_id, group))
     new_graph.eliminate_dead_code()
     shifted = offset_positions(new_graph, tl, group.start)
     if shifted:

@@ -193,9 +193,40 @@ def _step_signature(chain: LoopChain, t: int, skip: int = 0) -> tuple:
     return tuple(sig)
 
 
+_LINEAR_OPS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.add.Scalar, aten.addcmul.default,
+               aten.matmul.default, aten.bmm.default, aten.mm.default, aten.einsum.default, aten.linear.default,
+               aten.view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default,
+               aten.clone.default, aten.neg.default, aten.permute.default, aten.transpose.int}
+
+
+def _precheck_nonlinear(chain: LoopChain) -> None:
+    """Name the first non-linear op on the state chain (a clearer error than non-isomorphism)."""
+    if len(chain.steps) < 3:
+        return
+    prev, cur, nxt = chain.steps[0], set(chain.steps[1]), set(chain.steps[2])
+    dep = {a for n in chain.steps[1] for a in n.all_input_nodes if a in set(prev)}
+    carried = {n for n in chain.steps[1] if any(u in nxt for u in n.users)}
+    anc: set[fx.Node] = set()
+    stack = list(carried)
+    while stack:
+        n = stack.pop()
+        if n in anc:
+            continue
+        anc.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in cur)
+    for n in chain.steps[1]:
+        if any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+            if n in anc and n.op == "call_function" and n.target not in _LINEAR_OPS and n not in chain.sources:
+                raise node_error(n, "the state update is not linear in the state: this op applies a non-linear or "
+                                 f"unsupported function ({getattr(n.target, '__name__', n.target)}) to a value that "
+                                 "depends on the previous state", _NONLINEAR_HINT)
+
+
 def _check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node], list[fx.Node]]:
     """Signature of steps 1..T-1 (must be equal), the initial values of the carried refs and
     the leading nodes of step 0 that only build the initial state (``zeros_like(x[:, 0])``)."""
+    _precheck_nonlinear(chain)
     ref = _step_signature(chain, 1)
     for t in range(2, len(chain.steps)):
         if _step_signature(chain, t) != ref:

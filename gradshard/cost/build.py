@@ -86,7 +86,7 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
          dtype: torch.dtype | None = None, optimizer: str | float = "adamw",
          loss_fn: Callable[[Any], torch.Tensor] | None = None, time_axis: tuple[int, int] | None = None,
          frontend: str = "python", probe_seq_lens: Sequence[int] | None = None, probe_mode: str = "auto",
-         progress: Callable[[str], None] | None = None, **options: Any) -> CostReport:
+         extra_rounds: int = 1, progress: Callable[[str], None] | None = None, **options: Any) -> CostReport:
     """Symbolic costs of running ``model_or_fn`` under ``plan`` (see the module doc).
 
     ``example_inputs``: a tuple such that ``model_or_fn(*example_inputs)`` runs (a factory's
@@ -95,7 +95,9 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     ``optimizer``: whose state to count (``"adamw"``: 2 per trainable parameter).
     ``loss_fn``: what the step backpropagates from the output (default
     :func:`~gradshard.cost.probe.default_loss`). ``probe_seq_lens``: override the probe
-    lengths (three to fit, more to check). Other keywords are the plan's options.
+    lengths (three to fit, more to check). ``extra_rounds``: how many times to probe again
+    at twice (then four times) the lengths when a fit misses a probe (at most 2). Other
+    keywords are the plan's options.
     """
     t_start = time.perf_counter()
     opts = _options_of(plan, options)
@@ -114,12 +116,26 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     probe_plan = rule.probe_plan or plan
     probe_opts = rule.probe_options(opts) if rule.probe_plan else dict(options)
     samples: list[ProbeSample] = []
-    for b, t in fit_pts + check_pts:
-        say(f"probe {probe_plan} at batch={b}, seq_len={t}")
-        samples.append(run_probe(model_or_fn, example_inputs, plan=probe_plan, options=probe_opts, axes=axes,
-                                 batch=b, seq_len=t, loss_fn=loss_fn, time_axis=time_axis, frontend=frontend,
-                                 mode=probe_mode, dtype=dtype))
+
+    def probe_all(points: Sequence[tuple[int, int]]) -> None:
+        done = {(s.batch, s.seq_len) for s in samples}
+        for b, t in points:
+            if (b, t) in done:
+                continue
+            say(f"probe {probe_plan} at batch={b}, seq_len={t}")
+            samples.append(run_probe(model_or_fn, example_inputs, plan=probe_plan, options=probe_opts, axes=axes,
+                                     batch=b, seq_len=t, loss_fn=loss_fn, time_axis=time_axis, frontend=frontend,
+                                     mode=probe_mode, dtype=dtype))
+
+    probe_all(fit_pts + check_pts)
     exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
+    for scale in (2, 4)[:max(0, extra_rounds)]:
+        # A fit that misses a probe means the probes were still in the short-sequence regime
+        # (few chunks): probe again at longer sequences and refit on everything.
+        if all(f.exact for f in fits.values()) or probe_seq_lens is not None:
+            break
+        probe_all([(b, t * scale) for b, t in fit_pts] + [(b, t * scale) for b, t in check_pts if b == fit_pts[0][0]])
+        exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
     notes = [f"probed {len(samples)} compiled steps on {samples[0].mode} tensors in "
              f"{time.perf_counter() - t_start:.1f} s at (batch, seq_len) = "
              + ", ".join(f"({s.batch}, {s.seq_len})" for s in samples)]

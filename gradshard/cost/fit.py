@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import sympy
 
-__all__ = ["B", "T", "BASIS", "Fit", "fit_polynomial", "fit_peak", "monomial_values"]
+__all__ = ["B", "T", "BASIS", "Fit", "fit_polynomial", "fit_envelope", "fit_peak", "monomial_values"]
 
 B = sympy.Symbol("B", positive=True, integer=True)
 T = sympy.Symbol("T", positive=True, integer=True)
@@ -145,12 +145,47 @@ def _dominated(c: Sequence[Fraction], others: list[Sequence[Fraction]]) -> bool:
     return any(all(oi >= ci for oi, ci in zip(o, c)) and tuple(o) != tuple(c) for o in others)
 
 
+def fit_envelope(points: Sequence[tuple[int, int]], values: Sequence[int]) -> Fit:
+    """A polynomial for the long sequences and a floor for the short ones: ``Max(p, floor)``.
+
+    Chunked plans run the same machinery per chunk, but with only a few chunks a different
+    op holds the peak (the first chunk's transients outweigh a short cache): the values are
+    a maximum of two regimes. When no single polynomial reproduces every probe, the shortest
+    probe lengths are dropped one at a time until a polynomial reproduces the rest exactly;
+    the dropped probes become a floor fitted in ``B`` alone (least squares). Without such a
+    split, the least-squares polynomial of :func:`fit_polynomial`.
+    """
+    full = fit_polynomial(points, values)
+    if full.exact:
+        return full
+    ts = sorted({t for _, t in points})
+    for k in range(1, len(ts) - 1):
+        keep = [i for i, (_, t) in enumerate(points) if t >= ts[k]]
+        drop = [i for i in range(len(points)) if i not in keep]
+        if len({points[i][1] for i in keep}) < 2 or len({points[i][0] for i in keep}) < 2:
+            break
+        upper = fit_polynomial([points[i] for i in keep], [values[i] for i in keep])
+        if not upper.exact:
+            continue
+        up = sympy.lambdify((B, T), upper.expr, modules="math")
+        excess = [i for i in drop if values[i] > up(*points[i])]
+        expr = upper.expr
+        if excess:  # the short probes the long-sequence polynomial does not cover: a floor in B
+            floor = fit_polynomial([(points[i][0], ts[0]) for i in excess], [values[i] for i in excess])
+            expr = sympy.Max(upper.expr, floor.expr.subs(T, ts[0]))
+        fn = sympy.lambdify((B, T), expr, modules=[{"Max": max}, "math"])
+        errs = [abs(fn(b, t) - v) / max(v, 1) for (b, t), v in zip(points, values)]
+        if max(errs) <= max(LINEAR_TOLERANCE, full.max_rel_error):
+            return Fit(expr, max(errs) == 0, max(errs), f"envelope (polynomial for T >= {ts[k]}, floor below)")
+    return full
+
+
 def _fit_phase_peaks(points: Sequence[tuple[int, int]], peaks: Sequence[int],
                      phase_peaks: Sequence[Sequence[int]], why: str) -> Fit:
     """``Max`` of the forward peak and the backward peak, each fitted as a polynomial."""
-    fits = [fit_polynomial(points, list(col)) for col in zip(*phase_peaks)] if phase_peaks else []
+    fits = [fit_envelope(points, list(col)) for col in zip(*phase_peaks)] if phase_peaks else []
     if not fits:
-        fit = fit_polynomial(points, peaks)
+        fit = fit_envelope(points, peaks)
         return Fit(fit.expr, fit.exact, fit.max_rel_error, f"{fit.method}; {why}")
     exprs = list(dict.fromkeys(f.expr for f in fits))
     expr = exprs[0] if len(exprs) == 1 else sympy.Max(*exprs)

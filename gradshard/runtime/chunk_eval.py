@@ -109,8 +109,9 @@ class ChunkEvaluator:
             out = self._compute(node, demand)
         self.memo[key] = out
         self._keys.setdefault(node.name, []).append(key)
-        self.live_bytes += _own_bytes(out)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.dry:  # byte accounting only for the dry run's estimates
+            self.live_bytes += _own_bytes(out)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
 
     def _release(self, node: fx.Node) -> None:
@@ -120,7 +121,9 @@ class ChunkEvaluator:
         if left > 0 or node.name in self.program.pinned:
             return
         for key in self._keys.pop(node.name, ()):
-            self.live_bytes -= _own_bytes(self.memo.pop(key, None))
+            value = self.memo.pop(key, None)
+            if self.dry:
+                self.live_bytes -= _own_bytes(value)
 
     def _compute(self, node: fx.Node, demand: Demand) -> Any:
         prog = self.program
@@ -148,22 +151,19 @@ class ChunkEvaluator:
                 self._past_chain.append(node)
         vals: list[Any] = []
         arg_demands: list[Any] = []
+        inputs = prog.inputs_of[node.name]
         self._asking.append(node)
         try:
-            for arg, smap in zip(prog.slots[node.name], rule.slots):
+            for arg, smap in inputs:
                 if smap is SKIP:
                     vals.append(None)
                     arg_demands.append(None)
                     continue
-                d = () if smap is None else tuple(m.apply(demand) for m in smap)
+                d = () if smap is None else tuple([m.apply(demand) for m in smap])
                 arg_demands.append(d)
                 vals.append(self.value(arg, d))
             try:
                 out = rule.run(node, vals, demand, arg_demands, self)
-                for arg, smap in zip(prog.slots[node.name], rule.slots):
-                    if smap is not SKIP:
-                        self._release(arg)
-                return out
             except (GradshardError, NeedsCache):
                 raise
             except Exception as exc:
@@ -171,6 +171,10 @@ class ChunkEvaluator:
                                  f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                                  "this op's time behaviour is not what gradshard assumed; please report it, "
                                  "and use plan='none' meanwhile") from exc
+            for arg, smap in inputs:
+                if smap is not SKIP:
+                    self._release(arg)
+            return out
         finally:
             self._asking.pop()
             if in_past:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -130,10 +131,59 @@ def slots_of(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def _compile_builder(node: fx.Node) -> Callable[[Sequence[Any]], tuple[tuple, dict]]:
+    """A fast ``vals -> (args, kwargs)`` for ``node`` (slot order as :func:`slots_of`)."""
+    k = 0
+
+    def spec_of(a: Any) -> tuple[int, Any] | None:
+        nonlocal k
+        if isinstance(a, fx.Node):
+            k += 1
+            return (0, k - 1)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a):
+            items = []
+            for x in a:
+                if isinstance(x, (list, tuple, dict)) and any(isinstance(y, fx.Node) for y in x):
+                    return None
+                items.append(spec_of(x) if isinstance(x, fx.Node) else (1, x))
+            return (2, (isinstance(a, tuple), items))
+        if isinstance(a, dict) and any(isinstance(x, fx.Node) for x in a.values()):
+            return None
+        return (1, a)
+
+    arg_spec = [spec_of(a) for a in node.args]
+    kw_spec = {n: spec_of(a) for n, a in node.kwargs.items()}
+    if any(x is None for x in arg_spec) or any(x is None for x in kw_spec.values()):
+        def slow(vals: Sequence[Any]) -> tuple[tuple, dict]:
+            it = iter(vals)
+            return fx.node.map_arg((node.args, node.kwargs), lambda a: next(it))
+        return slow
+
+    def fill(spec: tuple[int, Any], vals: Sequence[Any]) -> Any:
+        t, v = spec
+        if t == 0:
+            return vals[v]
+        if t == 1:
+            return v
+        is_tuple, items = v
+        seq = [vals[i] if kind == 0 else i for kind, i in items]
+        return tuple(seq) if is_tuple else seq
+
+    def build(vals: Sequence[Any]) -> tuple[tuple, dict]:
+        return tuple(fill(s, vals) for s in arg_spec), {n: fill(s, vals) for n, s in kw_spec.items()}
+
+    return build
+
+
+_BUILDERS: "weakref.WeakKeyDictionary[fx.Node, Callable]" = weakref.WeakKeyDictionary()
+
+
 def rebuild_args(node: fx.Node, vals: Sequence[Any]) -> tuple[tuple, dict]:
-    it = iter(vals)
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: next(it))
-    return args, kwargs
+    """``node``'s ``(args, kwargs)`` with its input nodes replaced by ``vals`` (slot order)."""
+    build = _BUILDERS.get(node)
+    if build is None:
+        build = _BUILDERS[node] = _compile_builder(node)
+    return build(vals)
 
 
 def default_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
@@ -1108,8 +1158,12 @@ def _getitem_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     src, i = node.args[0], node.args[1]
     elems = bc.elem_frames.get(src.name)
     frame = elems[i] if elems is not None and i < len(elems) else bc.frame(src)
-    maps = tuple(DimMap("same", _index_of(frame, t.dim)) for t in bc.frame(src)) if bc.frame(src) else None
-    return NodeRule(frame, (maps,), _getitem_run)
+    sf = bc.frame(src)
+    if not sf:
+        return NodeRule(frame, (None,), _getitem_run)
+    if len(sf) != len(frame):
+        raise node_error(node, "an element of a tuple with a different number of time axes", _INSTEAD)
+    return NodeRule(frame, (tuple(DimMap("same", k) for k in range(len(sf))),), _getitem_run)
 
 
 @register_chunk_rule(aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.tensor_split)
@@ -1127,6 +1181,44 @@ def _split_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     rule = NodeRule(frame, tuple(maps if s is src else None for s in slots_of(node)), default_run)
     rule.elem_frames = tuple(frame for _ in range(n))
     return rule
+
+
+def _rolled_body_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """``run_rolled_body(body, *args)`` (a per-step loop rolled by ``roll_loops``): vmap over time."""
+    body = getattr(node.graph.owning_module, node.args[0].target)
+    args = node.args[1:]
+    lengths = [meta_shape(a)[d] for a, d in zip(args, body.in_dims) if d is not None and isinstance(a, fx.Node)]
+    if not lengths:
+        raise node_error(node, "a rolled loop body without a time input", _INSTEAD)
+    slot_maps: list[Any] = [None]
+    for a, d in zip(args, body.in_dims):
+        if not isinstance(a, fx.Node):
+            continue
+        fr = bc.frame(a)
+        if d is None:
+            if fr:
+                raise node_error(node, f"loop-invariant input `{a.name}` of a rolled loop runs along time", _INSTEAD)
+            slot_maps.append(None)
+            continue
+        if len(fr) != 1 or fr[0].dim != _norm(d, len(meta_shape(a))):
+            raise node_error(node, f"input `{a.name}` of a rolled loop has a time axis gradshard cannot follow", _INSTEAD)
+        slot_maps.append((DimMap("same", 0),))
+    vals = node.meta.get("val") or ()
+    elems = tuple((TDim(_norm(d, v.dim()), lengths[0]),) for d, v in zip(body.out_dims, vals))
+    rule = NodeRule(elems[0] if elems else (), tuple(slot_maps), default_run, note="rolled loop body (per step)")
+    rule.elem_frames = elems
+    return rule
+
+
+def _register_rolled_body() -> None:
+    try:
+        from gradshard.runtime.adjoint_loops import run_rolled_body
+    except ImportError:  # the adjoint runtime is optional
+        return
+    CHUNK_RULES[run_rolled_body] = _rolled_body_rule
+
+
+_register_rolled_body()
 
 
 # --------------------------------------------------------------------------- convolution

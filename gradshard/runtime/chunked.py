@@ -106,6 +106,7 @@ class ChunkProgram:
                 if smap is not SKIP:
                     counts[arg.name] = counts.get(arg.name, 0) + 1
         self.use_counts = counts
+        self.inputs_of = {name: tuple(zip(self.slots.get(name, ()), rule.slots)) for name, rule in self.rules.items()}
         pinned = {o.name for o in self.outputs} | set(self.cache_points)
         for o in self.outputs:
             if o.kind == "reduction":

@@ -13,6 +13,7 @@ import torch
 
 import gradshard as gs
 from examples.factories import llama_loss
+from gradshard.measure import LiveTensorTracker, measure, step
 
 _CFG = {"batch": 1, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "intermediate_size": 172}
 
@@ -21,8 +22,8 @@ def _peaks(seq_len: int, chunk: int) -> tuple[int, int, int]:
     """(plain autograd peak, seco peak, kv-cache bytes) of one loss.backward() step."""
     fn, (model, batch) = llama_loss(seq_len=seq_len, **_CFG)
     cm = gs.compile(fn, plan="seco", chunk_size=chunk)
-    seco = gs.measure(gs.measure.step(lambda m, b: cm(m, b)), model, batch, warmup=1)  # warmup: capture
-    plain = gs.measure(gs.measure.step(fn), model, batch)
+    seco = measure(step(lambda m, b: cm(m, b)), model, batch, warmup=1)  # warmup: capture
+    plain = measure(step(fn), model, batch)
     return plain.peak_bytes, seco.peak_bytes, cm.graph.seco_0.program.cache_bytes()
 
 
@@ -38,11 +39,11 @@ def test_peak_grows_only_with_the_kv_cache() -> None:
 
 def test_peak_follows_one_chunk_and_one_chunk_costs_plain() -> None:
     fn, (model, batch) = llama_loss(seq_len=256, **_CFG)
-    plain = gs.measure(gs.measure.step(fn), model, batch).peak_bytes
+    plain = measure(step(fn), model, batch).peak_bytes
     peaks = {}
     for chunk in (16, 64, 256):
         cm = gs.compile(fn, plan="seco", chunk_size=chunk)
-        peaks[chunk] = gs.measure(gs.measure.step(lambda m, b: cm(m, b)), model, batch, warmup=1).peak_bytes
+        peaks[chunk] = measure(step(lambda m, b: cm(m, b)), model, batch, warmup=1).peak_bytes
     assert peaks[16] < peaks[64] < peaks[256]
     assert abs(peaks[256] - plain) <= 0.05 * plain  # one chunk = the whole sequence = plain autograd
 
@@ -53,10 +54,10 @@ def test_backward_peak_is_bounded_by_one_chunk_on_the_timeline() -> None:
     fn, (model, batch) = llama_loss(seq_len=96, **_CFG)
     cm = gs.compile(fn, plan="seco", chunk_size=16)
     cm(model, batch)  # capture outside the measurement
-    plain = gs.measure(gs.measure.step(fn), model, batch).peak_bytes
+    plain = measure(step(fn), model, batch).peak_bytes
     fn16, (model16, batch16) = llama_loss(seq_len=16, **_CFG)
-    one_chunk = gs.measure(gs.measure.step(fn16), model16, batch16).saved_bytes
-    with gs.measure.LiveTensorTracker(timeline=True) as tracker:
+    one_chunk = measure(step(fn16), model16, batch16).saved_bytes
+    with LiveTensorTracker(timeline=True) as tracker:
         loss = cm(model, batch)
         tracker.mark("backward")
         loss.backward()

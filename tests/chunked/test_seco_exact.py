@@ -145,3 +145,15 @@ def test_float32_close_and_repeated_calls_accumulate() -> None:
         model(ids).square().mean().backward()
     assert rel_err([p.grad for p in model.parameters()], got) <= 1e-5
     assert cm.graph.seco_0.stats["forward_calls"] == 2
+
+
+@pytest.mark.parametrize("factory, overrides", [
+    ("hybrid", {"ssm_loop": True}),  # per-step Python loop, rolled into linear_scan by roll_loops
+    ("ssm_scalar_decay", {}),        # causal conv1d + learned h0 folded in with cat along time
+    ("ssm_gradshard_scan", {}),      # gradshard.kernels.linear_scan
+])
+def test_recurrent_variants(factory: str, overrides: dict) -> None:
+    import examples.factories as factories
+
+    model, (ids,) = getattr(factories, factory)(seq_len=13, batch=2, dtype=torch.float64, **overrides)
+    _check_module(model, (ids,), chunk=4)

@@ -1,0 +1,179 @@
+"""Benchmark adjoint sharding on the paper's SSM LM (4 layers, P=128, N=16, diagonal), CPU.
+
+For T in {1K, 4K, 16K, 64K} and each method -- plain autograd (``plan="none"``), per-layer
+``torch.utils.checkpoint``, ``plan="adjoint"``, ``plan="truncated_adjoint"`` with
+``W = sqrt(T)`` and ``W = 1024`` -- one training step (forward, cross-entropy, backward) is
+measured with ``gs.measure``: peak memory above the parameters, bytes saved for backward,
+FLOPs (``torch.utils.flop_counter``) and wall time, reported as a ratio to plain autograd
+in the same process. Writes the table to ``bench/RESULTS.md`` under
+"## Adjoint sharding (issue 3)" (other sections are kept).
+
+    python bench/bench_adjoint.py                       # everything (slow on 2 cores)
+    python bench/bench_adjoint.py --seq-lens 1k,4k --repeat 3
+    python bench/bench_adjoint.py --skip none@64k --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import gradshard as gs  # noqa: E402
+from examples.models.ssm import SelectiveSSMLM, SSMConfig  # noqa: E402
+
+HEADING = "## Adjoint sharding (issue 3)"
+METHODS = ("none", "checkpoint", "adjoint", "trunc_sqrt", "trunc_1024")
+
+
+def parse_len(s: str) -> int:
+    s = s.strip().lower()
+    return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
+
+
+def make_model(seed: int = 0) -> SelectiveSSMLM:
+    torch.manual_seed(seed)
+    return SelectiveSSMLM(SSMConfig(vocab_size=256, d_model=128, n_layers=4, d_state=16, decay="diagonal",
+                                    scan="gradshard"))
+
+
+def checkpointed(model: SelectiveSSMLM):
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        y = model.embed(ids)
+        for layer in model.layers:
+            y = checkpoint(layer, y, use_reentrant=False)
+        return model.lm_head(model.norm_f(y))
+
+    return run
+
+
+def runner(method: str, model: SelectiveSSMLM, T: int, shard: int):
+    if method == "none":
+        return gs.compile(model, plan="none"), "plain autograd (plan='none')"
+    if method == "checkpoint":
+        return checkpointed(model), "torch.utils.checkpoint per layer"
+    if method == "adjoint":
+        return gs.compile(model, plan="adjoint", shard_size=shard), f"adjoint, shard {shard}"
+    W = int(round(math.sqrt(T))) if method == "trunc_sqrt" else 1024
+    return gs.compile(model, plan="truncated_adjoint", window=W, shard_size=shard), f"truncated, W={W}, shard {shard}"
+
+
+def measure_one(method: str, T: int, batch: int, shard: int, repeat: int) -> dict:
+    model = make_model()
+    run, label = runner(method, model, T, shard)
+    ids = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(T))
+    labels = torch.roll(ids, -1, 1)
+
+    def step(ids: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        logits = run(ids)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+
+    t0 = time.perf_counter()
+    step(ids)  # warm-up: capture and compile happen here
+    compile_s = time.perf_counter() - t0
+    m = gs.measure(step, ids, repeat=repeat)
+    out = {"method": method, "label": label, "T": T, "peak": m.peak_bytes, "saved": m.saved_bytes,
+           "flops": m.flops, "seconds": m.seconds, "first_call_s": compile_s}
+    del model, run, m
+    gc.collect()
+    return out
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def table(rows: list[dict]) -> str:
+    base = {r["T"]: r for r in rows if r["method"] == "none"}
+    ck = {r["T"]: r for r in rows if r["method"] == "checkpoint"}
+    lines = ["| T | method | peak memory | saved for backward | GFLOP | step time | time / autograd | peak: autograd / this | peak: checkpoint / this |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        b, c = base.get(r["T"]), ck.get(r["T"])
+        ratio_t = f"{r['seconds'] / b['seconds']:.2f}x" if b and b["seconds"] and r["seconds"] else "-"
+        ratio_m = f"{b['peak'] / r['peak']:.1f}x" if b and r["peak"] else "-"
+        ratio_c = f"{c['peak'] / r['peak']:.1f}x" if c and r["peak"] else "-"
+        lines.append(f"| {r['T']} | {r['label']} | {human(r['peak'])} | {human(r['saved'])} | {r['flops'] / 1e9:.1f} | "
+                     f"{r['seconds']:.2f} s | {ratio_t} | {ratio_m} | {ratio_c} |")
+    return "\n".join(lines)
+
+
+def write_results(text: str, path: Path) -> None:
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    block = f"{HEADING}\n\n{text.strip()}\n\n"
+    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip() + "\n\n" + block
+    path.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", default="1k,4k,16k,64k")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--shard-size", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=1, help="timed steps per point (median)")
+    p.add_argument("--skip", default="", help="comma-separated method@len to skip, e.g. none@64k")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lens = [parse_len(s) for s in args.seq_lens.split(",") if s]
+    methods = [m for m in args.methods.split(",") if m]
+    skip = {(s.split("@")[0], parse_len(s.split("@")[1])) for s in args.skip.split(",") if "@" in s}
+    rows, skipped = [], []
+    for T in lens:
+        for method in methods:
+            if (method, T) in skip:
+                skipped.append(f"{method}@{T}")
+                continue
+            r = measure_one(method, T, args.batch, args.shard_size, args.repeat)
+            rows.append(r)
+            print(f"T={T:6d} {r['label']:40s} peak {human(r['peak']):>10s} saved {human(r['saved']):>10s} "
+                  f"{r['flops'] / 1e9:8.1f} GFLOP {r['seconds']:7.2f} s (first call {r['first_call_s']:.1f} s)",
+                  flush=True)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    text = (
+        f"Model: the paper's SSM LM, 4 layers, P=128, N=16, diagonal decay, vocab 256, batch {args.batch}, "
+        f"float32, `gradshard.kernels.linear_scan` (torch backend); shard size {args.shard_size}. "
+        f"Machine: {cpu}, {os.cpu_count()} cores shared with other jobs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); times are single-run medians of {args.repeat} step(s) and noisy. "
+        "Peak memory and saved bytes from `gs.measure` (dispatch tracker, above the parameters); FLOPs from "
+        "`torch.utils.flop_counter` (its formulas skip the scan kernel's elementwise work).\n\n"
+        + table(rows)
+        + (f"\n\nSkipped (time budget): {', '.join(skipped)}." if skipped else "")
+    )
+    print(text)
+    if not args.no_write:
+        write_results(text, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
