@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
     p.add_argument("--chunks", default="64,128,256,512")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="T = 256, 512; chunks 64, 128; 1 rep; no RESULTS.md")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -21,14 +21,13 @@ analysis and the attention regions, in four steps:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from gradshard.errors import UnsupportedGraphError, node_error
+from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
 from gradshard.ir import Region
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.runtime.chunk_cache import CacheSpec
@@ -413,6 +412,15 @@ def _estimates(program: ChunkProgram, stats: dict[int, tuple[int, int, list[tupl
 # --------------------------------------------------------------------------- the pass
 
 
+def _check_spaco_options(opts: Any) -> None:
+    cap = getattr(opts, "max_compensation", None)
+    if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+        raise GradshardError(f"plan 'spaco': max_compensation must be a positive number or None, got {cap!r}")
+    gen = getattr(opts, "generator", None)
+    if gen is not None and not isinstance(gen, torch.Generator):
+        raise GradshardError(f"plan 'spaco': generator must be a torch.Generator or None, got {type(gen).__name__}")
+
+
 @graph_pass
 def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Prove the graph runs one chunk at a time and build its chunk program (analysis only).
@@ -423,6 +431,7 @@ def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     tl = ctx.analyses.get("time")
     if tl is None:
         raise UnsupportedGraphError("chunked plans need the time analysis (annotate_time_locality) first")
+    _check_spaco_options(ctx.options)
     program = build_chunk_program(gm, tl, ctx.regions, ctx.options.chunk_size)
     flat = list(ctx.example_inputs)
     notes = dry_run(program, flat)

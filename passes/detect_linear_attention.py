@@ -416,7 +416,7 @@ def _decay_candidates(comp: Component, by_name: dict[str, fx.Node], consts: Cons
     frontier = [by_name[c] for c in comp.consts]
     ordered: list[fx.Node] = []
     depth = 0
-    while frontier and depth < 8 and len(ordered) < 64:
+    while frontier and depth < 12 and len(ordered) < 4096:
         nxt = []
         for n in frontier:
             if n.name in seen:
@@ -427,15 +427,16 @@ def _decay_candidates(comp: Component, by_name: dict[str, fx.Node], consts: Cons
         frontier, depth = nxt, depth + 1
     vectors: list[tuple[DecaySpec, Any]] = []
     masks: list[tuple[DecaySpec, Any]] = []
+    seen_values: list[torch.Tensor] = []  # equal decays reached by several nodes: keep the nearest
     for n in ordered:
-        val = _val(n) if n.op != "placeholder" else _val(n)
+        val = _val(n)
         if val is None or not val.is_floating_point():
             continue
         shape = tuple(val.shape)
         for transform in ("identity", "exp"):
             if len(shape) >= 2 and shape[-1] == seq and shape[-2] == seq and seq >= 2:
                 ds = decay_spec_for(shape, q_shape, q_layout, "mask", transform)
-                if ds is not None:
+                if ds is not None and len(masks) < _MAX_DECAY_CANDIDATES:
                     masks.append((ds, n))
                 continue
             step = decay_spec_for(shape, q_shape, q_layout, "step", transform)
@@ -448,12 +449,15 @@ def _decay_candidates(comp: Component, by_name: dict[str, fx.Node], consts: Cons
                 per_step = step.values(value)
             except Exception:  # noqa: BLE001
                 continue
+            if not torch.isfinite(per_step).all() or any(
+                    v.shape == per_step.shape and torch.equal(v, per_step) for v in seen_values):
+                continue
+            seen_values.append(per_step)
             if _constant_over_batch_and_time(per_step):
-                head = decay_spec_for(shape, q_shape, q_layout, "head", transform)
-                vectors.append((head, n))
+                vectors.append((decay_spec_for(shape, q_shape, q_layout, "head", transform), n))
             else:
                 vectors.append((step, n))
-    out = (vectors + masks)[:_MAX_DECAY_CANDIDATES]
+    out = vectors[:_MAX_DECAY_CANDIDATES] + masks[:4]
     out.append((DecaySpec(), None))
     return out
 

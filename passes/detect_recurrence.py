@@ -340,7 +340,6 @@ def _associative_sites(gm: fx.GraphModule, tl: Any) -> list[ScanSite]:
             cands.append((n, d0 % max(_ndim(n), 1)))
     if not cands:
         return []
-    cand_nodes = {n for n, _ in cands}
     live = live_nodes(gm)
     # top-level leaves: candidates not computed from other candidates' trees
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -383,7 +382,6 @@ def _associative_sites(gm: fx.GraphModule, tl: Any) -> list[ScanSite]:
                 break
             if found:
                 break
-    del cand_nodes
     return sites
 
 

@@ -144,6 +144,8 @@ def _is_share_op(n: fx.Node, shares: set[str], classes: dict[str, str]) -> bool:
         return False
     if n.target in _SHARE_VIEWS or n.target is aten.neg.default:
         return len(share_in) == 1 and n.args[0].name in shares
+    if n.target in _SUM_OPS or n.target in _MEAN_OPS:  # over non-time dims of a share: linear
+        return len(share_in) == 1 and n.args[0].name in shares
     if n.target in (aten.mul.Tensor, aten.mul.Scalar):
         return len(share_in) == 1
     if n.target in (aten.div.Tensor, aten.div.Scalar):
@@ -195,6 +197,16 @@ def explain_component(rj: Rejection, by_name: dict[str, fx.Node], tl: TimeLocali
             "scaled, added and returned can be split over ranks)",
             "return the loss (a sum or mean over tokens) and do any further arithmetic outside "
             "the compiled module, after summing the per-rank values",
+        )
+    future = next((n for n in members if tl[n].local is not None and tl[n].local.hi > 0
+                   and tl[n].time_dims), None)
+    if future is not None:
+        return node_error(
+            future,
+            f"it reads future steps ({tl[future].why}): it is not causal, so no rank can finish "
+            "its slice from the states of earlier ranks alone (not linear attention in the causal sense)",
+            "mask the scores causally (tril) if the model is meant to be causal; plan 'lasp' "
+            "parallelises causal linear attention only",
         )
     scan = next((n for n in members if n.target in SCAN_OPS or tl[n].why.startswith("loop step")), None)
     node = scan or by_name[rj.node]

@@ -278,7 +278,7 @@ class ConstValues:
         self._memo: dict[str, Any] = {}
 
     def raw(self, node: fx.Node) -> Any:
-        """The value in the graph's own dtype; raises ``KeyError`` if not computable."""
+        """The value (floating leaves promoted to float64); ``KeyError`` if not computable."""
         if node.name in self._memo:
             return self._memo[node.name]
         order = _ancestors_topo(node, lambda n: n.name in self._memo or _data_independent(n))
@@ -291,19 +291,19 @@ class ConstValues:
                 val = self._placeholders.get(n.name)
                 if val is None:
                     raise KeyError(n.name)
-                self._memo[n.name] = val.detach() if isinstance(val, torch.Tensor) else val
+                self._memo[n.name] = _f64(val.detach()) if isinstance(val, torch.Tensor) else val
             elif n.op == "get_attr":
-                self._memo[n.name] = _get_attr(self.gm, n.target)
+                self._memo[n.name] = _f64(_get_attr(self.gm, n.target))
             elif _data_independent(n):  # new_zeros(q, ...): only q's metadata matters
                 args = fx.node.map_arg(n.args, lambda a: self._memo.get(a.name, _like(a)))
-                kwargs = fx.node.map_arg(n.kwargs, lambda a: self._memo.get(a.name, _like(a)))
+                kwargs = _promote_dtype(fx.node.map_arg(n.kwargs, lambda a: self._memo.get(a.name, _like(a))))
                 self._memo[n.name] = n.target(*args, **kwargs)
             elif n.op == "call_function":
                 val = n.meta.get("val")
                 if isinstance(val, torch.Tensor) and val.numel() > self.max_elements:
                     raise KeyError(f"{n.name} is too large to evaluate ({val.numel()} elements)")
                 args = fx.node.map_arg(n.args, lambda a: self._memo[a.name])
-                kwargs = fx.node.map_arg(n.kwargs, lambda a: self._memo[a.name])
+                kwargs = _promote_dtype(fx.node.map_arg(n.kwargs, lambda a: self._memo[a.name]))
                 with torch.no_grad():
                     self._memo[n.name] = n.target(*args, **kwargs)
             else:
@@ -327,10 +327,24 @@ def _data_independent(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "_overloadpacket", None) in DATA_INDEPENDENT
 
 
+def _f64(x: Any) -> Any:
+    """Floating tensors in float64: analyses compare against a float64 reference."""
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _promote_dtype(kwargs: Any) -> Any:
+    """Evaluate explicit low-precision float dtypes (``ones(dtype=float32)``) in float64."""
+    dt = kwargs.get("dtype") if isinstance(kwargs, dict) else None
+    if isinstance(dt, torch.dtype) and dt.is_floating_point and dt != torch.float64:
+        kwargs = dict(kwargs)
+        kwargs["dtype"] = torch.float64
+    return kwargs
+
+
 def _like(node: fx.Node) -> Any:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return torch.zeros(val.shape, dtype=val.dtype)
+        return _f64(torch.zeros(val.shape, dtype=val.dtype))
     raise KeyError(f"{node.name} has no shape metadata")
 
 
@@ -377,7 +391,7 @@ def evaluate_members(members: Iterable[fx.Node], env: dict[str, Any], consts: Co
             if n.op != "call_function":
                 raise KeyError(f"cannot evaluate a {n.op} node")
             args = fx.node.map_arg(n.args, value)
-            kwargs = fx.node.map_arg(n.kwargs, value)
+            kwargs = _promote_dtype(fx.node.map_arg(n.kwargs, value))
             env[n.name] = n.target(*args, **kwargs)
     return env
 

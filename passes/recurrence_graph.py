@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-__all__ = ["copy_graph_module", "fake_run", "set_val", "topo_index", "tensor_args", "live_nodes", "live_users"]
+__all__ = ["copy_graph_module", "fake_run", "live_nodes", "live_users"]
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -51,24 +51,6 @@ def _refake(v: Any, mode: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return type(v)(_refake(x, mode) for x in v)
     return v
-
-
-def set_val(node: fx.Node, fn: Callable[..., Any] | None = None) -> None:
-    """Fill ``node.meta['val']`` by running its target (or ``fn``) on fake inputs."""
-    if node.op == "get_attr":
-        return
-    target = fn or node.target
-    if node.op == "call_function" and not callable(target):
-        return
-    node.meta["val"] = fake_run(target, tuple(node.args), dict(node.kwargs))
-
-
-def topo_index(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(gm.graph.nodes)}
-
-
-def tensor_args(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
 
 
 def live_nodes(gm: fx.GraphModule) -> set[fx.Node]:

@@ -38,8 +38,6 @@ def _view_src(n: object, rank: int) -> fx.Node | None:
     src = n.args[0]
     if not isinstance(src, fx.Node) or len(_shape(n)) != rank:
         return None
-    if src.target is aten.clone.default and isinstance(src.args[0], fx.Node):
-        pass
     return src
 
 

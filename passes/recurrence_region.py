@@ -32,7 +32,6 @@ import torch.fx as fx
 
 from gradshard.errors import node_error
 from gradshard.runtime.adjoint import RegionIO, ScanSpec
-from gradshard.runtime.adjoint_respecialize import DimFact
 
 from .detect_recurrence import ScanSite
 from .recurrence_graph import live_users
@@ -154,8 +153,6 @@ class _Extractor:
         for r in region:
             needed.update(r.all_input_nodes)
         inside = lambda x: x in P or x in region  # noqa: E731
-        for n in sorted(needed, key=self.order.get, reverse=True)[:0]:
-            pass
         # reverse graph order over candidates, growing `needed` as nodes join
         for n in reversed(list(self.gm.graph.nodes)):
             if n not in needed or inside(n):
@@ -344,7 +341,6 @@ class _Extractor:
                 if isinstance(p, fx.Node) and loc.get(p) is not None:
                     res = loc[p] if res is None else res.join(loc[p])
             return res
-        f = self.facts.get(n.name, ())
         bulk = [i for i, p in enumerate(pieces) if isinstance(p, fx.Node)
                 and (self.facts.get(p.name, ()) + (None,) * 99)[dim] is not None
                 and self.facts[p.name][dim].kind == "shift"]
@@ -362,7 +358,6 @@ class _Extractor:
                 lp = loc[p]
                 res = res.join(_Loc(lp.lo - pos, lp.hi - pos, 0, 0))
             pos += size
-        del f
         return res
 
     def uniform(self, n: fx.Node) -> bool:
@@ -466,7 +461,3 @@ def extract_region(gm: fx.GraphModule, tl: Any, facts: dict, site: ScanSite, liv
                    claimed: set[fx.Node]) -> RegionPlan:
     """Cut the region of ``site`` out of ``gm`` (pure; see the module doc)."""
     return _Extractor(gm, tl, facts, site, live, claimed).run()
-
-
-def _unused(f: DimFact) -> None:  # pragma: no cover - DimFact is part of the facts type
-    del f

@@ -70,7 +70,6 @@ def _subgraph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
 def _costs(plan: RegionPlan, T: int, shard: int) -> dict[str, int]:
     prod = [node_cost(n) for n in plan.producers if n.op == "call_function"]
     ro = [node_cost(n) for n in plan.readout]
-    h = plan.site
     u_val = plan.producer_outputs[1].meta["val"]
     state_bytes = u_val.numel() * u_val.element_size()
     scan_flops = 2 * u_val.numel()
@@ -81,7 +80,6 @@ def _costs(plan: RegionPlan, T: int, shard: int) -> dict[str, int]:
                 if d is not None and isinstance(x.meta.get("val"), torch.Tensor))
     n_ckpt = max(0, -(-T // max(shard, 1)) - 1)
     saved += n_ckpt * state_bytes // max(T, 1)
-    del h
     return {
         "producer_bytes": sum(c.out_bytes for c in prod),
         "producer_flops": sum(c.fwd_flops for c in prod),

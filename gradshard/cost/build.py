@@ -123,9 +123,10 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
             if (b, t) in done:
                 continue
             say(f"probe {probe_plan} at batch={b}, seq_len={t}")
+            ctx = (lambda t=t: rule.probe_context(opts, t)) if rule.probe_context is not None else None
             samples.append(run_probe(model_or_fn, example_inputs, plan=probe_plan, options=probe_opts, axes=axes,
                                      batch=b, seq_len=t, loss_fn=loss_fn, time_axis=time_axis, frontend=frontend,
-                                     mode=probe_mode, dtype=dtype))
+                                     mode=probe_mode, dtype=dtype, context=ctx))
 
     probe_all(fit_pts + check_pts)
     exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
@@ -198,8 +199,9 @@ def _fit_samples(samples: Sequence[ProbeSample], states_per_param: float) -> tup
         raise GradshardError(f"the compiled step's parameters changed with the probe size ({sorted(state)}); "
                              "the cost model assumes a fixed model")
     param_bytes = sympy.Integer(state.pop())
-    optimizer = sympy.nsimplify(states_per_param) * sympy.Integer(trainable.pop())
     e = {q: f.expr for q, f in fits.items()}
+    # The optimizer updates what receives a gradient (partial_update: the trainable slices).
+    optimizer = sympy.nsimplify(states_per_param) * e["grad_bytes"]
     exprs = {
         "activation_bytes": e["activation_bytes"],
         "peak_bytes": e["peak_bytes"],

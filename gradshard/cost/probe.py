@@ -21,12 +21,15 @@ The step is ``loss = loss_fn(compiled(*inputs)); loss.backward()`` with
 :func:`default_loss` unless the caller gives one. Inputs are resized along their time and
 batch axes (found by the time-locality analysis on a capture at the example sizes) by
 repeating their entries, so token ids stay valid. Models whose Python code depends on
-tensor *values* (boolean masks, ``nonzero``) cannot run on fake tensors; such probes fall
-back to real tensors (``mode="real"``) when the model is small.
+tensor *values* (boolean masks, ``nonzero``) cannot run on fake tensors; they need
+``mode="real"``. Small models (``REAL_PROBE_MAX_BYTES``) are probed on real tensors by
+default: at probe sizes their real step is faster than fake-tensor dispatch, and counts the
+same bytes (the probe and ``gs.measure`` agree exactly either way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
@@ -43,10 +46,12 @@ from ..errors import GradshardError
 from ..measure import LiveTensorTracker, _StepInstrument  # the instrument gs.measure uses
 
 __all__ = ["InputAxes", "ProbeSample", "CostProbeError", "default_loss", "find_input_axes",
-           "resize_inputs", "fake_clone", "make_step", "run_probe", "REAL_FALLBACK_MAX_BYTES"]
+           "resize_inputs", "fake_clone", "make_step", "run_probe", "REAL_PROBE_MAX_BYTES"]
 
 _graph_task_id = torch._C._current_graph_task_id
-REAL_FALLBACK_MAX_BYTES = 1 << 30  # real-tensor fallback only for models with < 1 GiB of state
+# "auto" probes models with at most this much state on real tensors: at probe sizes a real
+# step of a small model is faster than the fake-tensor dispatch, and exactly what runs.
+REAL_PROBE_MAX_BYTES = 64 << 20
 
 
 class CostProbeError(GradshardError):
@@ -321,49 +326,61 @@ class ProbeSample:
 
 
 def _state_of(cm: Any) -> tuple[int, int]:
+    """``(bytes of every distinct state storage the compiled step reads, of those requiring grad)``.
+
+    State: the captured parameters and buffers plus what the rewrite installed on the graph
+    module (e.g. the trainable and frozen slices of ``partial_update``); views of one storage
+    count once.
+    """
     entry = getattr(cm, "_last", None)
     cap = getattr(entry, "captured", None)
     if cap is None:
         return 0, 0
     seen: set[int] = set()
     total = trainable = 0
-    for t in [*cap.params, *cap.buffers, *getattr(entry.gm, "parameters", lambda: [])()]:
-        if id(t) in seen:
+    for t in [*cap.params, *cap.buffers, *entry.gm.parameters(), *entry.gm.buffers()]:
+        st = t.untyped_storage()
+        if st._cdata in seen:
             continue
-        seen.add(id(t))
-        nbytes = t.numel() * t.element_size()
-        total += nbytes
-        trainable += nbytes if t.requires_grad else 0
+        seen.add(st._cdata)
+        total += st.nbytes()
+        trainable += st.nbytes() if t.requires_grad else 0
     return total, trainable
 
 
 def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options: dict[str, Any],
               axes: InputAxes, batch: int, seq_len: int, loss_fn: Callable[[Any], torch.Tensor] | None = None,
               time_axis: tuple[int, int] | None = None, frontend: str = "python",
-              mode: str = "auto", dtype: torch.dtype | None = None) -> ProbeSample:
+              mode: str = "auto", dtype: torch.dtype | None = None,
+              context: Callable[[], Any] | None = None) -> ProbeSample:
     """Run the compiled step of ``plan`` at ``(batch, seq_len)`` on fake tensors (see module doc).
 
-    ``mode``: ``"fake"``, ``"real"`` or ``"auto"`` (fake, then real for small models whose
-    code reads tensor values). ``dtype``: cast floating-point state and inputs first.
+    ``mode``: ``"fake"``, ``"real"`` or ``"auto"`` (real tensors for models with at most
+    :data:`REAL_PROBE_MAX_BYTES` of state, where that is faster; fake tensors otherwise).
+    ``dtype``: cast floating-point state and inputs first. ``context``: a factory of a
+    context manager entered around the priced step (e.g. SpaCO's chunk selection).
     """
     if mode not in ("auto", "fake", "real"):
         raise ValueError(f"probe mode must be 'auto', 'fake' or 'real', got {mode!r}")
     inputs = resize_inputs(example_inputs, axes, batch, seq_len)
-    if mode in ("auto", "fake"):
-        try:
-            return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, True, dtype)
-        except CostProbeError:
-            raise
-        except Exception as exc:
-            if mode == "fake" or _state_bytes(target, inputs) > REAL_FALLBACK_MAX_BYTES:
-                raise CostProbeError(
-                    f"plan {plan!r} could not run on fake tensors at batch={batch}, seq_len={seq_len}: "
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n  why: the model "
-                    "or the plan's runtime reads tensor values (e.g. boolean-mask indexing), which fake "
-                    "tensors do not have.\n  instead: pass probe_mode='real' to gs.cost (runs small probe "
-                    "sizes for real), or make the value-dependent code a tensor op (torch.where)."
-                ) from exc
-    return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False, dtype)
+    if mode == "auto":
+        mode = "real" if _state_bytes(target, inputs) <= REAL_PROBE_MAX_BYTES else "fake"
+    if mode == "real":
+        return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, False, dtype,
+                           context)
+    try:
+        return _probe_once(target, inputs, plan, options, batch, seq_len, loss_fn, time_axis, frontend, True, dtype,
+                           context)
+    except CostProbeError:
+        raise
+    except Exception as exc:
+        raise CostProbeError(
+            f"plan {plan!r} could not run on fake tensors at batch={batch}, seq_len={seq_len}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n  why: the model or the "
+            "plan's runtime reads tensor values (e.g. boolean-mask indexing), which fake tensors do not have.\n"
+            "  instead: pass probe_mode='real' to gs.cost (runs the small probe sizes for real), or make the "
+            "value-dependent code a tensor op (torch.where)."
+        ) from exc
 
 
 def _compile_at(cm: Any, inputs: tuple, originals: dict[int, torch.Tensor]) -> Any:
@@ -430,7 +447,7 @@ def _state_bytes(target: Any, inputs: Any) -> int:
 
 def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], batch: int, seq_len: int,
                 loss_fn: Callable | None, time_axis: tuple[int, int] | None, frontend: str,
-                fake: bool, dtype: torch.dtype | None) -> ProbeSample:
+                fake: bool, dtype: torch.dtype | None, context: Callable[[], Any] | None) -> ProbeSample:
     from ..api import compile as gs_compile
 
     originals: dict[int, torch.Tensor] = {}
@@ -447,8 +464,11 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
     step = _grad_step(cm, loss_fn) if fake else make_step(cm, loss_fn)
     tracker = _StepInstrument(device=device, timeline=True)
     saved = _SavedBytes(tracker)
-    with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-        step(*finputs)
+    with contextlib.ExitStack() as stack:
+        if context is not None:
+            stack.enter_context(context())
+        with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            step(*finputs)
     total_flops = tracker.total_flops
     timeline = tracker.timeline
     return ProbeSample(

@@ -9,8 +9,10 @@ must respect:
 - ``symbols``/``defaults``: extra symbols of the plan (LASP's world size ``R``);
 - ``probe_plan``/``per_rank_seq_len``: probe another plan at another length instead (a
   sequence-parallel rank runs its slice of ``T/R`` tokens);
+- ``probe_context(options, seq_len)``: a context manager around each probe's step (SpaCO
+  probes keep every chunk: the worst case memory and the full backward);
 - ``adjust(ctx)``: rewrite the probed expressions (communication per step, expected values
-  of randomised plans, optimizer state of the trainable parameters only).
+  of randomised plans).
 
 Rules come from the plans' semantics in DESIGN.md:
 
@@ -93,6 +95,8 @@ class PlanRule:
     per_rank_seq_len: sympy.Expr | None = None
     adjust: Callable[[RuleContext], dict[str, sympy.Expr]] | None = None
     needs: tuple[str, ...] = ()  # graph facts adjust() reads (see gradshard.cost.facts)
+    # a context manager factory entered around each probe's step: (options, seq_len) -> cm
+    probe_context: Callable[[Any, int], Any] | None = None
 
 
 RULES: dict[str, PlanRule] = {}
@@ -134,9 +138,30 @@ register_rule(PlanRule(
     "partial_update", "gradients and optimizer state of the trainable slice only, as probed"))
 
 
+def _spaco_all_chunks(options: Any, seq_len: int) -> Any:
+    from ..runtime.chunked import force_selection
+
+    return force_selection(range(-(-seq_len // options.chunk_size)))
+
+
+def _spaco_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
+    """Expected backward FLOPs: each of the ``k`` chunks runs its backward with probability ``q``.
+
+    Bernoulli sampling keeps a chunk with ``q = min(1, budget/k)``; fixed sampling keeps
+    ``budget`` of ``k`` uniformly, each chunk again with probability ``budget/k``. The
+    probes kept every chunk, so the expectation is ``q`` times the probed backward; memory
+    stays the worst case (every chunk kept), which is what must fit.
+    """
+    o = ctx.options
+    k = sympy.ceiling(T / o.chunk_size)
+    q = sympy.Min(1, sympy.Integer(o.budget) / k)
+    return {"flops_bwd": q * ctx.expressions["flops_bwd"]}
+
+
 register_rule(PlanRule(
-    "spaco", "seco's memory; backward FLOPs of budget/k of the chunks in expectation",
-    granularity=lambda o: _opt(o, "chunk_size", 1)))
+    "spaco", "seco's memory (every chunk kept: the worst case); backward FLOPs of budget/k of the chunks "
+    "in expectation", granularity=lambda o: _opt(o, "chunk_size", 1), probe_context=_spaco_all_chunks,
+    adjust=_spaco_adjust))
 
 
 def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:

@@ -139,6 +139,7 @@ class AdjointRegion(nn.Module):
         self.costs = dict(costs or {})
         self._cache: dict[tuple[str, int], fx.GraphModule] = {}
         self.rec = recurrence_for(scan.kind)
+        self.kernel_backend: Optional[str] = None  # set by the lower_kernels pass
 
     # ---------------------------------------------------------------- graphs per length
 
@@ -207,7 +208,7 @@ class AdjointRegion(nn.Module):
         shards = self.shards(T)
         c = self.costs
         n = self.region_name
-        kernel = _scan_kernel_name(self.scan.kind)
+        kernel = _scan_kernel_name(self.scan.kind, self.kernel_backend)
         lam = "truncated adjoint (blockwise, window %s)" % self.window if self.plan == "truncated_adjoint" else "adjoint"
         fwd = Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
                     memory_bytes=int(c.get("saved_bytes", 0)),
@@ -227,7 +228,8 @@ class AdjointRegion(nn.Module):
             out.append(Stage(name=f"{n}:shard{k}:adjoint_scan", kind="adjoint_scan", phase="backward", region=n,
                              memory_bytes=int(per_step("state_bytes") * S * 2),
                              flops=int(per_step("scan_flops") * S * 2 + per_step("readout_flops") * S * 2),
-                             kernel="gradshard.kernels.adjoint_shard" if self.scan.kind == "diagonal" else "torch:dense_adjoint",
+                             kernel=(f"{self.kernel_backend or 'auto'}:adjoint_shard" if self.scan.kind == "diagonal"
+                                     else "torch:dense_adjoint"),
                              note=lam))
             out.append(Stage(name=f"{n}:shard{k}:vjp_shard", kind="vjp_shard", phase="backward", region=n,
                              memory_bytes=int(per_step("producer_bytes") * L),
@@ -240,10 +242,10 @@ class AdjointRegion(nn.Module):
             f", window={self.window}" if self.window else "")
 
 
-def _scan_kernel_name(kind: str) -> str:
+def _scan_kernel_name(kind: str, backend: Optional[str]) -> str:
     if kind == "dense":
         return "torch:dense_linear_scan"
-    return "gradshard.kernels.linear_scan"
+    return f"{backend or 'auto'}:linear_scan"
 
 
 # --------------------------------------------------------------------------- the Function
@@ -269,7 +271,7 @@ class AdjointFunction(torch.autograd.Function):
                     h = _state_canon(h0, sp.rank)
                 ckpts.append(None if s == 0 else h)
                 ac, uc = region.canon_au(a, u)
-                hc = region.rec.scan(ac, uc, h)
+                hc = region.rec.scan(ac, uc, h, region.kernel_backend)
                 ys = region.run_readout(region.h_for_readout(hc), rs)
                 for i, (y, td) in enumerate(zip(ys, io.output_time_dims)):
                     if outputs[i] is None:
@@ -331,7 +333,7 @@ class AdjointFunction(torch.autograd.Function):
             acd = None if ac is None else ac.detach()
             ucd = uc.detach()
             with torch.no_grad():
-                hc = region.rec.scan(acd, ucd, h_start_d)
+                hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
             h_leaf = region.h_for_readout(hc).detach().requires_grad_(True)
             r_leaves = [r.detach().requires_grad_(r.requires_grad) if isinstance(r, Tensor) and r.dtype.is_floating_point else r
                         for r in rs]
@@ -351,7 +353,7 @@ class AdjointFunction(torch.autograd.Function):
                 gc = gc.clone()
                 gc[:, -1] += _state_canon(d_final, sp.rank).to(gc.dtype)
             if sweep is None:
-                da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry)
+                da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
                 carry = dh_start
             else:
                 lam = sweep.shard(s, acd, gc)

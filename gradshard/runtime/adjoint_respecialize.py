@@ -24,8 +24,6 @@ rewritten relative to the end.
 
 from __future__ import annotations
 
-import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -272,7 +270,6 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     env: dict[fx.Node, Any] = {}
-    phs = list(gm.graph.find_nodes(op="placeholder"))
     with mode:
         for i, node in enumerate(gm.graph.nodes):
             if node.op == "placeholder":
@@ -309,7 +306,6 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 node.meta["val"] = val
             elif node.op == "call_function" and val is not None:
                 node.meta["val"] = val
-    del phs
 
 
 def _get_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -317,7 +313,3 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _unused() -> None:  # keep linters quiet about imports used only in type positions
-    del math, operator

@@ -63,9 +63,10 @@ def dense_scan(A: Tensor, u: Tensor, h0: Optional[Tensor] = None) -> Tensor:
 
 
 def dense_adjoint_shard(A: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor], carry: Optional[Tensor],
-                        lam: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one dense shard (see the module doc); ``lam`` given: use it (truncated)."""
-    h = dense_scan(A, u, h0)
+                        lam: Optional[Tensor] = None, h: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one dense shard (see the module doc); ``lam`` given: use it (truncated);
+    ``h`` given: the shard's states (else recomputed)."""
+    h = dense_scan(A, u, h0) if h is None else h
     if lam is None:
         lam = torch.empty_like(g, dtype=h.dtype)
         acc = carry.to(h.dtype) if carry is not None else None
@@ -128,26 +129,45 @@ class DiagonalRecurrence:
             return a
         return torch.ones((1,) * u.dim(), dtype=u.dtype, device=u.device)
 
-    def scan(self, a: Optional[Tensor], u: Tensor, h0: Optional[Tensor]) -> Tensor:
+    def scan(self, a: Optional[Tensor], u: Tensor, h0: Optional[Tensor], backend: Optional[str] = None) -> Tensor:
         from gradshard.kernels import linear_scan
 
         a = self.coeff(a, u)
         if h0 is not None and h0.dtype != u.dtype:
             h0 = h0.to(u.dtype)
-        return linear_scan(a, u, h0)
+        return linear_scan(a, u, h0, backend=backend)
 
     def adjoint_shard(self, a: Optional[Tensor], u: Tensor, g: Tensor, h0: Optional[Tensor],
-                      carry: Optional[Tensor]) -> tuple[Optional[Tensor], Tensor, Tensor]:
-        from gradshard.kernels import adjoint_shard
+                      carry: Optional[Tensor], backend: Optional[str] = None,
+                      h: Optional[Tensor] = None) -> tuple[Optional[Tensor], Tensor, Tensor]:
+        """``(grad_a, grad_u, grad_h0)``; with the shard's states ``h`` given (the runtime has them
+        for the readout) one reverse ``linear_scan`` suffices, else the fused ``adjoint_shard``."""
+        from gradshard.kernels import adjoint_shard, linear_scan
+        from gradshard.kernels.linear_scan import shift_coefficients
 
-        da, du, dh0 = adjoint_shard(self.coeff(a, u), u, g.to(u.dtype), h0, carry)
-        return (da if a is not None else None), du, dh0
+        a_ = self.coeff(a, u)
+        g = g.to(u.dtype)
+        if h is None:
+            da, du, dh0 = adjoint_shard(a_, u, g, h0, carry, backend=backend)
+            return (da if a is not None else None), du, dh0
+        lam = linear_scan(shift_coefficients(a_, u.shape[1], reverse=False, edge=1.0), g,
+                          None if carry is None else carry.to(g.dtype), reverse=True, backend=backend)
+        return self.grads_from_lam(a, h, h0, lam)
 
     def grads_from_lam(self, a: Optional[Tensor], h: Tensor, h0: Optional[Tensor], lam: Tensor,
                        ) -> tuple[Optional[Tensor], Tensor, Tensor]:
-        """``(grad_a, grad_u, grad_h0)`` for a given adjoint ``lam`` (truncated plan)."""
-        h_prev = torch.cat([(torch.zeros_like(h[:, :1]) if h0 is None else h0.unsqueeze(1).to(h.dtype)), h[:, :-1]], 1)
-        da = None if a is None else (lam * h_prev).sum_to_size(a.shape).to(a.dtype)
+        """``(grad_a, grad_u, grad_h0)`` for a given adjoint ``lam`` (no copy of ``h`` shifted)."""
+        da = None
+        if a is not None:
+            prod = torch.empty_like(lam)
+            if lam.shape[1] > 1:
+                torch.mul(lam[:, 1:], h[:, :-1], out=prod[:, 1:])
+            if lam.shape[1]:
+                if h0 is None:
+                    prod[:, 0].zero_()
+                else:
+                    torch.mul(lam[:, 0], h0.to(lam.dtype), out=prod[:, 0])
+            da = prod.sum_to_size(a.shape).to(a.dtype)
         a0 = self.coeff(a, lam)
         dh0 = (a0[:, 0] * lam[:, 0]).sum_to_size(lam[:, 0].shape) if lam.shape[1] else torch.zeros_like(h[:, 0])
         return da, lam, dh0
@@ -162,12 +182,13 @@ class DenseRecurrence:
 
     kind: str = "dense"
 
-    def scan(self, a: Tensor, u: Tensor, h0: Optional[Tensor]) -> Tensor:
+    def scan(self, a: Tensor, u: Tensor, h0: Optional[Tensor], backend: Optional[str] = None) -> Tensor:
         return dense_scan(a, u, h0)
 
     def adjoint_shard(self, a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor],
-                      carry: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        return dense_adjoint_shard(a, u, g, h0, carry)
+                      carry: Optional[Tensor], backend: Optional[str] = None,
+                      h: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        return dense_adjoint_shard(a, u, g, h0, carry, h=h)
 
     def grads_from_lam(self, a: Tensor, h: Tensor, h0: Optional[Tensor], lam: Tensor,
                        ) -> tuple[Tensor, Tensor, Tensor]:

@@ -5,6 +5,7 @@ the chunk's own steps ``[s, e)`` (``k_cur``). With the row-wise log-sum-exps ``l
 ``l_c`` of the two parts::
 
     o = o_p * exp(l_p - l) + o_c * exp(l_c - l),      l = logaddexp(l_p, l_c)
+      = o_c + (o_p - o_c) * sigmoid(l_p - l_c)
 
 where ``o_p`` is unmasked attention over the past and ``o_c`` causal attention inside the
 chunk. The backward runs the flash backward of each part with the *merged* ``o`` and
@@ -38,7 +39,8 @@ class _PrefixFlash(torch.autograd.Function):
         else:
             op, lp = _flash(q, kp, vp, 0.0, False, scale=scale)
             lse = torch.logaddexp(lp, lc)
-            o = op * torch.exp(lp - lse).unsqueeze(-1).to(op.dtype) + oc * torch.exp(lc - lse).unsqueeze(-1).to(oc.dtype)
+            w = torch.sigmoid(lp - lc).unsqueeze(-1).to(op.dtype)  # exp(lp - lse)
+            o = oc + (op - oc) * w
         ctx.scale = scale
         ctx.has_past = kp is not None
         ctx.save_for_backward(q, kp if kp is not None else q.new_empty(0), vp if vp is not None else q.new_empty(0),

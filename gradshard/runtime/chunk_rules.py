@@ -555,7 +555,6 @@ def _gather_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     dim = _norm(node.args[1], len(meta_shape(src)))
     if any(t.dim == dim for t in bc.frame(src)):
         raise node_error(node, "gathers along the time axis (reads steps chosen by data)", _INSTEAD)
-    idx = node.args[2]
     if node.target is aten.index_select.default:
         return positional(node, bc, lambda i, a, td: td if a is src else TDim(dim, td.length, td.inner))
     return positional(node, bc, lambda i, a, td: td)
@@ -692,8 +691,6 @@ def _factory_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     frame = _factory_frame(node, bc)
     if node.target is aten.scalar_tensor.default:
         return NodeRule((), tuple(None for _ in slots_of(node)), default_run)
-    if node.target in (aten.arange.start_step,) and isinstance(node.args[2] if len(node.args) > 2 else 1, float):
-        pass
     slots = tuple(SKIP for _ in slots_of(node))
     return NodeRule(frame, slots, _factory_run, note="factory")
 

@@ -182,6 +182,9 @@ def sample_chunks(num_chunks: int, options: Any) -> Selection:
         factor = min(factor, float(options.max_compensation))
     forced = _FORCED.get()
     if forced is not None:
+        bad = [i for i in forced if not 0 <= i < k]
+        if bad:
+            raise ValueError(f"force_selection: chunk indices {bad} out of range for {k} chunks")
         chosen = set(forced)
     elif t >= k:
         chosen = set(range(k))
@@ -271,7 +274,8 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
                 if o.kind == "time":
                     (lo, hi), = program.chunk_demand(o.name, j)
                     outs.append(ev.chunk_value(o.name))
-                    cots.append(g.narrow(o.dim, lo, hi - lo) * f)
+                    g = g.narrow(o.dim, lo, hi - lo)
+                    cots.append(g * f if f != 1.0 else g)
                 else:
                     num, _ = o.reduction.partial(program.nodes[o.name], ev)
                     outs.append(num)
@@ -337,6 +341,9 @@ class _ChunkedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):  # type: ignore[override]
         region = ctx.region
+        if ctx.cache is None:
+            raise RuntimeError(f"{region.plan}: the chunked backward runs once per forward (it consumes the "
+                               "KV/state cache); retain_graph=True is not supported, call the module again")
         flat = ctx.saved_tensors
         needs = ctx.needs_input_grad[1:]
         selection = region.select()

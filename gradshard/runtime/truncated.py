@@ -57,7 +57,6 @@ class TruncatedSweep:
         """``(a, g)`` over ``[start, stop)`` from the current shard (at ``s``) and the chunk list."""
         pieces_a: list[Tensor] = []
         pieces_g: list[Tensor] = []
-        L = g.shape[1]
         for c_start, ca, cg in [(s, a, g), *self._chunks]:
             c_len = cg.shape[1]
             lo, hi = max(start, c_start), min(stop, c_start + c_len)
@@ -66,7 +65,6 @@ class TruncatedSweep:
             if ca is not None:
                 pieces_a.append(_expand_time(ca, c_len)[:, lo - c_start:hi - c_start])
             pieces_g.append(cg[:, lo - c_start:hi - c_start])
-        del L
         ga = torch.cat(pieces_g, 1) if len(pieces_g) > 1 else pieces_g[0]
         aa = None if a is None else (torch.cat(pieces_a, 1) if len(pieces_a) > 1 else pieces_a[0])
         return aa, ga

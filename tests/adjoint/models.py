@@ -8,7 +8,6 @@ recurrence is written; :func:`truncated_scan_reference` is the brute-force refer
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -285,7 +284,3 @@ def weighted_loss(out) -> torch.Tensor:
         w = torch.linspace(-1.0, 1.0, o.numel(), dtype=o.dtype).view_as(o)
         total = total + (o * w).sum() + 0.1 * (o ** 2).sum()
     return total
-
-
-def unused() -> None:  # pragma: no cover
-    del math

@@ -79,3 +79,20 @@ def test_max_over_time_in_the_loss_is_rejected() -> None:
 
     with pytest.raises(gs.UnsupportedGraphError, match="does not split into a sum over chunks"):
         gs.compile(loss_fn, plan="seco", chunk_size=3)(nn.Linear(8, 8), torch.randn(2, 9, 8))
+
+
+def test_second_backward_and_bad_spaco_inputs_are_explained() -> None:
+    from examples.factories import llama
+    from gradshard.runtime.chunked import force_selection
+
+    model, (ids,) = llama(seq_len=9, batch=1)
+    cm = gs.compile(model, plan="seco", chunk_size=4)
+    loss = cm(ids).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once per forward"):
+        loss.backward()
+    sp = gs.compile(model, plan="spaco", chunk_size=4, budget=1)
+    with pytest.raises(ValueError, match="out of range"), force_selection([5]):
+        sp(ids).sum().backward()
+    with pytest.raises(gs.GradshardError, match="max_compensation"):
+        gs.compile(model, plan="spaco", chunk_size=4, max_compensation=-1.0)(ids)

@@ -9,7 +9,6 @@ the chunk size (one chunk's activations) and a single chunk costs what plain aut
 
 from __future__ import annotations
 
-import torch
 
 import gradshard as gs
 from examples.factories import llama_loss

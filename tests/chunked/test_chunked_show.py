@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 import gradshard as gs
 from examples.factories import llama

@@ -9,7 +9,8 @@ q, k from an ``elu + 1`` feature map. ``impl``:
 - ``einsum``: the same in (B, T, H, d) layout with einsum;
 - ``recurrent``: the per-step loop ``kv = λ kv + k_t^T v_t; o_t = q_t kv`` and ``stack``;
 - ``cumsum``: ``kv = cumsum(k^T v)`` states, normalised by ``q . cumsum(k)`` (Katharopoulos);
-- ``softmax``: causal softmax attention (not linear attention).
+- ``softmax``: causal softmax attention (not linear attention);
+- ``noncausal``: ``(q @ k^T) @ v`` without a mask (reads the future: not causal linear attention).
 
 Options: ``positions`` adds a learned position embedding indexed by ``arange(T)``;
 ``token_shift`` mixes in the previous step and ``conv_kernel=K`` adds a causal depthwise
@@ -84,6 +85,9 @@ class TinyAttention(nn.Module):
         num = (q.unsqueeze(-2) @ kv).squeeze(-2)
         den = (q * torch.cumsum(k, dim=2)).sum(-1, keepdim=True)
         return num / den
+
+    def _noncausal(self, q, k, v, lam, log_g):
+        return (q @ k.transpose(-1, -2)) @ v
 
     def _softmax(self, q, k, v, lam, log_g):
         t = q.shape[2]
