@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p, seq_len=False)
     p.add_argument("--plan", default="none", help="comma-separated plans")
     p.add_argument("--max-seq-len", action="store_true", help="report the longest sequence that fits --memory")
-    p.add_argument("--memory", default="80GB", help="memory budget, e.g. 80GB, 24GiB")
+    p.add_argument("--memory", default=None, help="memory budget, e.g. 80GB, 24GiB (default: the --device memory, else 80GB)")
     p.add_argument("--device", default=None, help="device profile: its memory is the budget unless --memory is given")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot memory vs. sequence length per plan")
     p.set_defaults(func=cmd_whatif)

@@ -284,3 +284,25 @@ def weighted_loss(out) -> torch.Tensor:
         w = torch.linspace(-1.0, 1.0, o.numel(), dtype=o.dtype).view_as(o)
         total = total + (o * w).sum() + 0.1 * (o ** 2).sum()
     return total
+
+
+class StateInputSSM(nn.Module):
+    """The initial state is a forward input: ``model(x, h0) -> (y, h_T)`` (stateful/streaming use)."""
+
+    def __init__(self, d: int = 4, loop: bool = False) -> None:
+        super().__init__()
+        self.A, self.B = nn.Linear(d, d), nn.Linear(d, d)
+        self.loop = loop
+
+    def forward(self, x, h0):
+        a = torch.sigmoid(self.A(x))
+        u = self.B(x)
+        if self.loop:
+            h, hs = h0, []
+            for t in range(x.shape[1]):
+                h = a[:, t] * h + u[:, t]
+                hs.append(h)
+            hseq = torch.stack(hs, 1)
+            return torch.tanh(hseq), h
+        hseq = gs.kernels.linear_scan(a, u, h0)
+        return torch.tanh(hseq), hseq[:, -1]

@@ -80,3 +80,12 @@ def test_forward_only_and_no_grad_inputs():
     x = _x(2, 6)
     with torch.no_grad():
         assert torch.allclose(cm(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_initial_state_as_input_gets_its_gradient(loop):
+    from .models import StateInputSSM
+
+    model = init_like_training(StateInputSSM(loop=loop))
+    h0 = torch.randn(3, 4, dtype=torch.float64)
+    assert_same_grads(model, (_x(3, 4), h0), shard_size=4)

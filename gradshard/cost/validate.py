@@ -1,0 +1,173 @@
+"""Check the cost model against measurement: ``gs.cost`` predictions vs. ``gs.measure`` runs.
+
+For one model factory and one plan, :func:`validate_plan` builds the report once (probes at
+small sizes), then compiles and *runs* the plan for real at each sequence length and
+compares the predicted peak memory and FLOPs with what :func:`gradshard.measure.measure`
+reports for the same step (:func:`~gradshard.cost.probe.make_step`). The test suite and
+``bench/bench_cost_validation.py`` use it; :func:`bisect_max_seq_len` is the ground truth
+that ``CostReport.max_seq_len`` is checked against.
+
+:data:`VALIDATION_CASES` holds, per plan, the options and lengths the sweep uses: small
+chunks and shards so that every length spans several of them (chunked plans are fitted for
+``T >= 4`` chunks), and lengths that are not probe lengths where possible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..errors import GradshardError
+from .build import cost
+from .probe import make_step
+from .report import CostReport
+
+__all__ = ["ValidationRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
+           "bisect_max_seq_len", "plan_applies"]
+
+Factory = Callable[..., tuple[Any, tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class ValidationCase:
+    """Options and sequence lengths one plan is validated with."""
+
+    options: Mapping[str, Any]
+    seq_lens: tuple[int, ...]
+    note: str = ""
+
+
+VALIDATION_CASES: dict[str, ValidationCase] = {
+    "none": ValidationCase({}, (24, 40, 80, 128)),
+    "seco": ValidationCase({"chunk_size": 8}, (40, 56, 80, 128)),
+    "spaco": ValidationCase({"chunk_size": 8, "budget": 2}, (40, 56, 80, 128),
+                            "peak: every chunk kept (the worst case); FLOPs: budget/k of the all-chunk backward"),
+    "partial_update": ValidationCase({"num_slices": 4, "slice_index": 1}, (24, 40, 80, 128)),
+    "adjoint": ValidationCase({"shard_size": 8}, (40, 56, 80, 128)),
+    "truncated_adjoint": ValidationCase({"window": 8, "shard_size": 8}, (40, 56, 80, 128)),
+}
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """One (example, plan, seq_len): predicted vs. measured peak bytes and FLOPs."""
+
+    example: str
+    plan: str
+    seq_len: int
+    batch: int
+    predicted_peak: int
+    measured_peak: int
+    predicted_flops: int
+    measured_flops: int
+    probed: bool  # this (batch, seq_len) was one of the report's probes
+
+    @property
+    def peak_error(self) -> float:
+        return abs(self.predicted_peak - self.measured_peak) / max(self.measured_peak, 1)
+
+    @property
+    def flops_error(self) -> float:
+        return abs(self.predicted_flops - self.measured_flops) / max(self.measured_flops, 1)
+
+
+def _step_context(plan: str, options: Mapping[str, Any], seq_len: int) -> Any:
+    if plan == "spaco":
+        from ..runtime.chunked import force_selection
+
+        return force_selection(range(-(-seq_len // int(options["chunk_size"]))))
+    return contextlib.nullcontext()
+
+
+def measure_step(factory: Factory, plan: str, options: Mapping[str, Any], seq_len: int, batch: int,
+                 device: str | torch.device | None = None) -> Any:
+    """Compile ``plan`` for the factory's model at ``(batch, seq_len)`` and measure one real step."""
+    from ..api import compile as gs_compile
+    from ..measure import measure
+
+    target, inputs = factory(seq_len=seq_len, batch=batch)
+    if device is not None:
+        target, inputs = _to_device((target, inputs), device)
+    cm = gs_compile(target, plan, **options)
+    cm(*inputs)  # capture + compile, outside the measured step
+    for p in cm.parameters():
+        p.grad = None
+    with _step_context(plan, options, seq_len):
+        return measure(make_step(cm), *inputs)
+
+
+def _to_device(tree: Any, device: str | torch.device) -> Any:
+    import torch.nn as nn
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, (torch.Tensor, nn.Module)) else x, tree,
+                           is_leaf=lambda x: isinstance(x, nn.Module))
+
+
+def plan_applies(factory: Factory, plan: str, options: Mapping[str, Any], seq_len: int = 32) -> str | None:
+    """``None`` if ``plan`` compiles for the factory's model, else the reason it does not."""
+    from ..api import compile as gs_compile
+
+    target, inputs = factory(seq_len=seq_len)
+    try:
+        gs_compile(target, plan, **options)(*inputs)
+    except GradshardError as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return None
+
+
+def validate_plan(name: str, factory: Factory, plan: str, options: Mapping[str, Any] | None = None,
+                  seq_lens: Sequence[int] | None = None, batch: int = 2, report: CostReport | None = None
+                  ) -> tuple[CostReport, list[ValidationRow], float]:
+    """Build the report (unless given) and compare it with measured steps at ``seq_lens``.
+
+    Returns ``(report, rows, seconds spent building the report)``.
+    """
+    case = VALIDATION_CASES.get(plan, ValidationCase({}, (24, 40, 80, 128)))
+    options = dict(case.options if options is None else options)
+    seq_lens = tuple(case.seq_lens if seq_lens is None else seq_lens)
+    t0 = time.perf_counter()
+    if report is None:
+        target, inputs = factory(seq_len=32)
+        report = cost(target, plan, example_inputs=inputs, **options)
+    build_s = time.perf_counter() - t0
+    probed = {(s.batch, s.seq_len) for s in report.probes}
+    rows = []
+    for t in seq_lens:
+        m = measure_step(factory, plan, options, t, batch)
+        v = report.evaluate(seq_len=t, batch=batch)
+        flops = v["flops"]
+        if plan == "spaco":  # measured with every chunk kept: compare with the all-chunk backward
+            k = -(-t // int(options["chunk_size"]))
+            q = min(1.0, int(options["budget"]) / k)
+            flops = v["flops_fwd"] + round(v["flops_bwd"] / q)
+        rows.append(ValidationRow(name, plan, t, batch, v["peak_bytes"], m.peak_bytes, int(flops), m.flops,
+                                  (batch, t) in probed))
+    return report, rows, build_s
+
+
+def bisect_max_seq_len(factory: Factory, plan: str, options: Mapping[str, Any], budget: int, *, batch: int,
+                       lo: int, hi: int, multiple_of: int = 1) -> int:
+    """The longest ``T`` (a multiple of ``multiple_of``, in ``[lo, hi]``) whose *measured* step
+    peak fits in ``budget`` bytes, by bisection over real runs (peak assumed non-decreasing)."""
+    step = max(1, multiple_of)
+
+    def fits(t: int) -> bool:
+        return measure_step(factory, plan, options, t, batch).peak_bytes <= budget
+
+    a, b = lo // step, hi // step
+    if not fits(a * step):
+        return 0
+    if fits(b * step):
+        return b * step
+    while b - a > 1:  # fits(a), not fits(b)
+        mid = (a + b) // 2
+        if fits(mid * step):
+            a = mid
+        else:
+            b = mid
+    return a * step

@@ -1,0 +1,41 @@
+"""Acceptance: predicted peak memory within 10% and FLOPs within 5% of gs.measure, per plan and example.
+
+The sweep covers every registered plan that has a validation case
+(``gradshard.cost.validate.VALIDATION_CASES``) and every example factory; plans that do not
+apply to a model (the compiler rejects it) are skipped with the compiler's reason, plans not
+registered yet are skipped until they land. The full matrix is ``slow``; a representative
+subset runs by default. ``bench/bench_cost_validation.py`` prints the same sweep as a table.
+"""
+
+import pytest
+
+import gradshard as gs
+from examples import factories as F
+from gradshard.cost.validate import VALIDATION_CASES, plan_applies, validate_plan
+
+PEAK_TOL, FLOPS_TOL = 0.10, 0.05
+FAST = {("llama", "none"), ("ssm_gradshard_scan", "none"), ("hybrid", "none"), ("llama", "partial_update"),
+        ("ssm", "seco")}
+
+
+def _cases():
+    for plan in VALIDATION_CASES:
+        for name in F.FACTORIES:
+            marks = [] if (name, plan) in FAST else [pytest.mark.slow]
+            yield pytest.param(name, plan, id=f"{plan}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("name, plan", list(_cases()))
+def test_prediction_matches_measurement(name, plan):
+    if plan not in gs.plans():
+        pytest.skip(f"plan {plan!r} is not registered yet")
+    case = VALIDATION_CASES[plan]
+    why = plan_applies(F.FACTORIES[name], plan, case.options)
+    if why is not None:
+        pytest.skip(f"plan {plan!r} does not apply to {name}: {why}")
+    report, rows, _ = validate_plan(name, F.FACTORIES[name], plan)
+    bad = [r for r in rows if r.peak_error > PEAK_TOL or r.flops_error > FLOPS_TOL]
+    detail = "\n".join(f"T={r.seq_len}: peak {r.predicted_peak} vs {r.measured_peak} ({r.peak_error:.2%}), "
+                       f"flops {r.predicted_flops} vs {r.measured_flops} ({r.flops_error:.2%})" for r in rows)
+    assert not bad, f"{plan} on {name}:\n{detail}\n{report.describe()}"
+    assert any(not r.probed for r in rows), "every validated length was a probe length: nothing was predicted"
