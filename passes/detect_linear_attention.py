@@ -65,7 +65,7 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten.
 _LIGHTNING = "gradshard::lightning_attention"
 _SCREEN_STEPS = 8
 _MAX_DECAY_CANDIDATES = 12
-_DETECT_BUDGET = 50_000_000  # elements evaluated per component when not strict (plan "none")
+_DETECT_BUDGET = 50_000_000  # elements evaluated per component under plans other than "lasp"
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,12 @@ class LinearAttentionAnalysis:
 @register_detector(KIND)
 def detect_linear_attention(gm: fx.GraphModule, ctx: PassContext) -> list[Region]:
     """Linear-attention regions of ``gm`` (cumsum-only prefix sums are reported by the rewrite)."""
-    analysis = analyze_linear_attention(gm, ctx)
+    try:
+        analysis = analyze_linear_attention(gm, ctx)
+    except Exception:  # noqa: BLE001 - only plan "lasp" depends on this detector; never break others
+        if ctx.plan == "lasp":
+            raise
+        return []
     if analysis is None:
         return []
     return [f.region for f in analysis.findings if f.region.kind == KIND]
@@ -125,7 +130,7 @@ def analyze_linear_attention(gm: fx.GraphModule, ctx: PassContext) -> Optional[L
             analysis.dead.append(comp)
             continue
         try:
-            result = _classify_component(comp, by_name, tl, consts, strict=ctx.strict,
+            result = _classify_component(comp, by_name, tl, consts, strict=ctx.plan == "lasp",
                                          index=len(analysis.findings))
         except Exception as exc:  # noqa: BLE001 - a component we cannot evaluate is not claimed
             result = Rejection(comp, comp.outputs[0], f"could not analyse it ({type(exc).__name__}: {exc})")
@@ -157,7 +162,7 @@ def _classify_component(comp: Component, by_name: dict[str, fx.Node], tl: TimeLo
     if all(n.target is aten.cumsum.default or n.target is operator.getitem for n in members):
         return _cumsum_finding(comp, members, out, by_name, tl, index)
     if not strict and sum(_numel(n) for n in members) > _DETECT_BUDGET:
-        return Rejection(comp, out.name, "too large to certify outside plan='lasp'")
+        return Rejection(comp, out.name, "too large to certify outside plan='lasp' (analysis budget)")
     return _certify(comp, members, out, by_name, tl, consts, index)
 
 

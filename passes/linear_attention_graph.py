@@ -270,7 +270,7 @@ class ConstValues:
     """
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], classes: dict[str, str],
-                 max_elements: int = 1 << 26) -> None:
+                 max_elements: int = 1 << 24) -> None:
         self.gm = gm
         self.classes = classes
         self.max_elements = max_elements

@@ -27,8 +27,17 @@ otherwise a single-rank group (``gradshard show`` outside ``torchrun``: the send
 are listed with "no peer"). All communication has timeouts (``timeout_s``, default
 ``GRADSHARD_COMM_TIMEOUT_S`` or 60 s): a dead or failing peer raises ``CommTimeoutError``.
 Message tags: layer ``i`` uses ``2i`` (KV) and ``2i + 1`` (dKV) on the group; do not run two
-LASP-compiled modules on the same group in one step. After compile, ``cm.lasp`` holds
-this rank's place (``start``, ``stop``, ``seq_len``, ``lengths``) and the layers.
+LASP-compiled modules on the same group in one step. Compiling is collective: the first
+call with a new input signature captures and compiles on every rank, and the ranks exchange
+their local lengths (and check they compiled the same program), so all ranks must make that
+call together. After compile, ``cm.lasp`` holds this rank's place (``start``, ``stop``,
+``seq_len``, ``lengths``) and the layers.
+
+Time-locality outside the regions: position-wise layers need nothing; short causal windows
+(token shift, causal ``conv1d``) get a halo exchange of their last ``w-1`` steps; other
+time mixing (softmax attention, non-causal products, other recurrences, position-dependent
+constants) is an error naming the node. Limitation: Python arithmetic on the sequence
+length (``x / x.shape[1]``) is baked in at the local length; reduce with ``sum``/``mean``.
 """
 
 from __future__ import annotations

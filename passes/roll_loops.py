@@ -40,7 +40,7 @@ from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.runtime.adjoint_loops import RolledBody, run_rolled_body
 
 from . import recurrence_ops  # noqa: F401  (dims/time rules for the new nodes)
-from .recurrence_graph import copy_graph_module, fake_run
+from .recurrence_graph import fake_run
 
 aten = torch.ops.aten
 
@@ -473,6 +473,8 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     final_uses: dict[int, list[fx.Node]] = defaultdict(list)
     all_body = set(chain.step_of)
     consumers: list[fx.Node] = []
+    stack_ok: dict[fx.Node, bool] = {}
+    pos_end = {n: i - len(nodes) for nodes in chain.steps for i, n in enumerate(nodes)}
     for t, nodes in enumerate(chain.steps):
         for j0, n in enumerate(nodes):
             j = j0 - len(nodes)  # counted from the end: step 0 may start with extra nodes
@@ -483,14 +485,16 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
                     raise node_error(user, "a value built while setting up the loop's first step is used outside "
                                      "the loop", "build it outside the loop")
                 if user.target in (aten.stack.default, aten.cat.default):
-                    pieces = user.args[0]
-                    dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
-                    if len(pieces) == T and all(isinstance(p, fx.Node) and chain.step_of.get(p) == s
-                                                and chain.steps[s].index(p) - len(chain.steps[s]) == j
-                                                for s, p in enumerate(pieces)):
-                        if (user, dim) not in [(c, d) for c, d, _ in stack_outs[j]]:
+                    if user not in stack_ok:  # checked once per stack: linear in T
+                        pieces = user.args[0]
+                        stack_ok[user] = len(pieces) == T and all(
+                            isinstance(p, fx.Node) and chain.step_of.get(p) == s and pos_end.get(p) == j
+                            for s, p in enumerate(pieces))
+                        if stack_ok[user]:
+                            dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
                             stack_outs[j].append((user, dim, "stack" if user.target is aten.stack.default else "cat"))
                             consumers.append(user)
+                    if stack_ok[user]:
                         continue
                 if t == T - 1:
                     if user not in final_uses[j]:
@@ -677,7 +681,7 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
 def roll_loops(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Roll unrolled per-timestep loops into one vectorised scan each (see module doc).
 
-    Needs ``ctx.analyses["time"]``; recomputes it on the rolled graph.
+    Needs ``ctx.analyses["time"]``; recomputes it on the rolled graph. Rewrites ``gm`` in place.
     """
     tl = ctx.analyses.get("time")
     if tl is None:
@@ -685,16 +689,14 @@ def roll_loops(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     chains = find_loops(gm, tl)
     if not chains:
         return PassResult(gm, notes=("no unrolled loops",))
-    new = copy_graph_module(gm)
-    remap = {n.name: n for n in new.graph.nodes}
+    # Rolled in place: copying and recompiling a graph of T unrolled steps costs more than the
+    # rolling itself, and the pass manager already recorded the code before this pass.
+    new = gm
+    new.graph.owning_module = new  # a shared graph may name another module its owner
     notes = []
     for i, chain in enumerate(chains):
-        moved = LoopChain([[remap[n.name] for n in s] for s in chain.steps],
-                          {remap[n.name]: t for n, t in chain.step_of.items()},
-                          {remap[n.name]: (remap[s.name], d) for n, (s, d) in chain.sources.items()})
-        notes.append(_roll_one(new, moved, i))
+        notes.append(_roll_one(new, chain, i))
     new.graph.lint()
-    new.recompile()
     ctx.invalidate("time")
     ctx.analyses["time"] = analyze_time_locality(new, time_axis=ctx.time_axis)
     return PassResult(new, changed=True, notes=tuple(notes))

@@ -158,3 +158,18 @@ def test_loss_inside_is_split_into_shares(loss: str) -> None:
         if p.grad is not None:
             for _, grads in res:
                 assert float((grads[name] - p.grad).norm() / p.grad.norm()) <= 1e-10, name
+
+
+def test_halo_wider_than_a_slice_is_refused() -> None:
+    model, ids = tiny_lm("naive", "none", seq_len=9, batch=1, conv_kernel=5)  # reads 4 earlier steps
+
+    def body(rank: int, group: Any) -> Any:
+        cm = gs.compile(copy.deepcopy(model), plan="lasp", group=group, timeout_s=TIMEOUT)
+        try:
+            cm.compiled_for(local_slice(ids, rank, 4))  # local lengths 3, 2, 2, 2
+        except UnsupportedGraphError as exc:
+            return str(exc)
+        return None
+
+    for text in run_threaded(4, body):
+        assert text is not None and "needs the previous 4 step(s)" in text and "conv1d" in text

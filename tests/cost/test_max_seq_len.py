@@ -1,0 +1,36 @@
+"""``CostReport.max_seq_len`` agrees with a bisection over real measured runs on small budgets."""
+
+import pytest
+
+import gradshard as gs
+from examples import factories as F
+from gradshard.cost import cost
+from gradshard.cost.validate import bisect_max_seq_len, measure_step
+
+
+@pytest.fixture(scope="module")
+def llama_report():
+    target, inputs = F.llama(seq_len=32)
+    return cost(target, "none", example_inputs=inputs)
+
+
+@pytest.mark.parametrize("budget_at", [37, 101])
+def test_max_seq_len_matches_bisection_plan_none(llama_report, budget_at):
+    report = llama_report
+    # a budget between the measured peaks of two consecutive lengths
+    budget = (measure_step(F.llama, "none", {}, budget_at, 2).peak_bytes +
+              measure_step(F.llama, "none", {}, budget_at + 1, 2).peak_bytes) // 2
+    predicted = report.max_seq_len(budget, batch=2, quantity="peak_bytes")
+    truth = bisect_max_seq_len(F.llama, "none", {}, budget, batch=2, lo=8, hi=256)
+    assert predicted == truth == budget_at
+
+
+def test_max_seq_len_matches_bisection_chunked():
+    if "seco" not in gs.plans():
+        pytest.skip("plan 'seco' is not registered yet")
+    target, inputs = F.ssm(seq_len=32)
+    report = cost(target, "seco", example_inputs=inputs, chunk_size=8)
+    budget = measure_step(F.ssm, "seco", {"chunk_size": 8}, 96, 2).peak_bytes + 100
+    predicted = report.max_seq_len(budget, batch=2, quantity="peak_bytes", multiple_of=8)
+    truth = bisect_max_seq_len(F.ssm, "seco", {"chunk_size": 8}, budget, batch=2, lo=32, hi=256, multiple_of=8)
+    assert predicted == truth
