@@ -45,7 +45,6 @@ from gradshard.pipeline import PassContext
 
 from .detect_regions import register_detector
 from .linear_attention_graph import (
-    CONST,
     Component,
     ConstValues,
     classify_nodes,

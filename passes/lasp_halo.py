@@ -32,7 +32,7 @@ from gradshard.errors import node_error
 from gradshard.ir import Stage
 
 from .lasp_group import LaspGroup
-from .linear_attention_graph import CONST, NORMAL, Component
+from .linear_attention_graph import NORMAL, Component
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from gradshard.distributed.reduce import GRAD_LABEL
 from gradshard.ir import Stage
-from gradshard.runtime.lasp import dkv_label, kv_label, lasp_attention
+from gradshard.runtime.lasp import lasp_attention
 
 from .lasp_group import LaspGroup
 from .linear_attention_spec import LaspSpec

@@ -29,7 +29,6 @@ A full-length cumsum whose result only feeds one component through position-wise
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -394,7 +393,3 @@ def evaluate_members(members: Iterable[fx.Node], env: dict[str, Any], consts: Co
             kwargs = _promote_dtype(fx.node.map_arg(n.kwargs, value))
             env[n.name] = n.target(*args, **kwargs)
     return env
-
-
-def is_finite_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

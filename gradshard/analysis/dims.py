@@ -217,9 +217,15 @@ _SAME_SHAPE_OPS = [
     aten.logical_not, aten.logical_and, aten.logical_or, aten.eq, aten.ne, aten.lt, aten.le,
     aten.gt, aten.ge, aten.minimum, aten.maximum, aten.log_sigmoid, aten.hardswish,
     aten.hardsigmoid, aten.relu6, aten.softshrink, aten.hardshrink, aten.selu, aten.celu,
-    aten.square, aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.bernoulli,
+    aten.square, aten.bernoulli,
 ]
 register_dim_rule(*_SAME_SHAPE_OPS)(pointwise_rule)
+
+
+@register_dim_rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full)
+def _new_tensor_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
+    """``x.new_zeros(shape)`` reads only x's dtype/device: fresh labels, nothing inherited."""
+    return NodeDims(ctx.fresh_dims(shape_of(node) or ()))
 
 
 # --------------------------------------------------------------------------- views

@@ -148,9 +148,12 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     exprs.setdefault("comm_bytes", sympy.Integer(0))
     if rule.adjust is not None:
         facts = graph_facts(model_or_fn, example_inputs, axes, rule.needs, time_axis=time_axis,
-                            frontend=frontend, dtype=dtype)
+                            frontend=frontend, dtype=dtype, regions=samples[0].regions,
+                            region_batch=samples[0].batch)
         exprs.update(rule.adjust(RuleContext(plan, opts, exprs, facts)))
         exprs["flops"] = exprs["flops_fwd"] + exprs["flops_bwd"]
+        exprs["total_bytes"] = (exprs["param_bytes"] + exprs["optimizer_bytes"] + exprs["input_bytes"]
+                                + exprs["peak_bytes"])
     inexact = [q for q, f in fits.items() if not f.exact]
     if inexact:
         notes.append("not reproduced exactly on every probe (see .fits): " + ", ".join(inexact))

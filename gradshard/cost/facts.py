@@ -9,14 +9,13 @@ example sizes were.
 Facts (names a :class:`~gradshard.cost.rules.PlanRule` lists in ``needs``):
 
 - ``linear_attention_state_bytes``: the bytes of one recurrent state ``B·H·dk·dv`` summed
-  over the linear-attention layers (what LASP relays between ranks), from the state
-  outputs of ``gradshard.kernels.lightning_attention`` or the ``state_shape`` option of
-  ``linear_attention`` regions.
+  over the linear-attention layers (what LASP relays between ranks), from the
+  ``state_bytes`` of the compiler's ``linear_attention`` regions or the state outputs of
+  ``gradshard.kernels.lightning_attention``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Sequence
 
 import sympy
@@ -60,29 +59,33 @@ def _qualname(node: fx.Node) -> str | None:
 
 
 def _linear_attention_state_bytes(gm: fx.GraphModule, dims: DimAnalysis, time_cls: int, batch_cls: int | None,
-                                  axes: InputAxes, regions: Sequence[Any]) -> sympy.Expr:
+                                  axes: InputAxes, regions: Sequence[Any], region_batch: int) -> sympy.Expr:
+    """Bytes of one KV state per layer, summed: the compiler's ``linear_attention`` regions
+    (``state_bytes`` at the batch they were found at), else the state outputs of
+    ``gradshard.kernels.lightning_attention`` calls (``(B, H, dk, dv)``, batch first)."""
+    found = [r for r in regions if r.kind == "linear_attention" and "state_bytes" in r.options]
+    if found:
+        return sum((sympy.Integer(int(r.options["state_bytes"])) * B / region_batch for r in found), sympy.Integer(0))
     total: sympy.Expr = sympy.Integer(0)
-    found = 0
+    count = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and _qualname(node) == "gradshard::lightning_attention":
             vals = node.meta.get("val")
-            nd = dims.nodes.get(node.name)
-            if isinstance(vals, (tuple, list)) and len(vals) > 1 and isinstance(nd, tuple) and nd[1] is not None:
-                total += symbolic_bytes(vals[1], nd[1].dims, dims, time_cls, batch_cls, axes.seq_len, axes.batch_size)
-                found += 1
-    for r in regions:
-        shape = r.options.get("state_shape") if r.kind == "linear_attention" else None
-        if shape and not found:
-            bsz, rest = shape[0], math.prod(shape[1:])
-            itemsize = int(r.options.get("itemsize", 4))
-            total += (B * rest * itemsize) if bsz == axes.batch_size else sympy.Integer(bsz * rest * itemsize)
-            found += 1
-    if not found:
+            if not (isinstance(vals, (tuple, list)) and len(vals) > 1 and isinstance(vals[1], torch.Tensor)):
+                continue
+            state = vals[1]  # (B, H, dk, dv) by the kernel's contract (DESIGN.md): batch first
+            q = dims.dims_of(node.args[0])
+            labels = [q.dims[0]] + [()] * (state.dim() - 1) if q is not None and q.dims else [()] * state.dim()
+            per = symbolic_bytes(state, labels, dims, time_cls, batch_cls, axes.seq_len, axes.batch_size)
+            if not per.has(B) and batch_cls is not None and state.shape[0] == axes.batch_size:
+                per = per * B / axes.batch_size
+            total += per
+            count += 1
+    if not count:
         raise GradshardError(
-            "the LASP cost rule needs the linear-attention state size (B*H*dk*dv per layer), but the graph has "
-            "no gradshard.kernels.lightning_attention call and no linear_attention region with a state_shape.\n"
-            "  instead: compute linear attention with gradshard.kernels.lightning_attention, or price the plan "
-            "once the linear-attention detector reports its state shape.")
+            "the LASP cost rule needs the linear-attention state size (B*H*dk*dv per layer), but the compiled "
+            "plan reported no linear_attention region and the graph has no gradshard.kernels.lightning_attention "
+            "call.\n  instead: check `gradshard show` for the plan's regions (LASP needs linear attention).")
     return total
 
 
@@ -91,7 +94,8 @@ FACTS = ("linear_attention_state_bytes",)
 
 def graph_facts(target: Any, example_inputs: Sequence[Any], axes: InputAxes, needs: Iterable[str], *,
                 time_axis: tuple[int, int] | None = None, frontend: str = "python",
-                dtype: torch.dtype | None = None, regions: Sequence[Any] = ()) -> dict[str, sympy.Expr]:
+                dtype: torch.dtype | None = None, regions: Sequence[Any] = (),
+                region_batch: int = 1) -> dict[str, sympy.Expr]:
     """Compute the facts named in ``needs`` from a capture at the example sizes."""
     needs = tuple(needs)
     unknown = sorted(set(needs) - set(FACTS))
@@ -113,5 +117,5 @@ def graph_facts(target: Any, example_inputs: Sequence[Any], axes: InputAxes, nee
     out: dict[str, sympy.Expr] = {}
     if "linear_attention_state_bytes" in needs:
         out["linear_attention_state_bytes"] = _linear_attention_state_bytes(cap.gm, dims, time_cls, batch_cls, axes,
-                                                                            regions)
+                                                                            regions, region_batch)
     return out

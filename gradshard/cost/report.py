@@ -91,7 +91,7 @@ class CostReport:
         fn = self._fns.get(quantity)
         if fn is None:
             syms = list(self.symbols.values())
-            fn = sympy.lambdify(syms, self.expressions[quantity], modules=[{"Max": max, "Min": min}, "math"])
+            fn = sympy.lambdify(syms, self.expressions[quantity], modules=[{"Max": max, "Min": min}, "math", "sympy"])
             self._fns[quantity] = fn
         return fn
 

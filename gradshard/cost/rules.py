@@ -24,10 +24,11 @@ truncated_adjoint   adjoint + the window buffer, as probed
 seco                KV cache / state checkpoints + one chunk's graph, as probed
 spaco               seco's memory; backward FLOPs of the kept chunks, ``budget/k`` of them in
                     expectation (``k = ceil(T / chunk_size)``)
-lasp                per rank: the model on ``T/R`` tokens (probed as plan ``none`` at ``T/R``)
-                    plus one ``B·H·dk·dv`` state per linear-attention layer and direction
-                    sent to the neighbour, plus the gradient all-reduce (ring:
-                    ``2·(R-1)/R·grad_bytes``) when ``reduce_grads``
+lasp                per rank: the plan on its ``T/R`` tokens (probed on a single-rank group,
+                    where nothing is sent) plus, per middle rank and step, one ``B·H·dk·dv``
+                    state per linear-attention layer sent forward and one sent backward,
+                    plus the gradient all-reduce (ring: ``2·(R-1)/R·grad_bytes``) when
+                    ``reduce_grads``
 partial_update      gradients and optimizer state of the trainable slice only; weight-gradient
                     FLOPs of the frozen slices skipped, as probed
 ==================  ====================================================================
@@ -165,14 +166,27 @@ register_rule(PlanRule(
 
 
 def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
-    """Per-rank costs at ``T/R`` plus the KV-state relay and the gradient all-reduce."""
+    """Per-rank costs at ``T/R`` plus the KV-state relay and the gradient all-reduce.
+
+    The probes ran on a single-rank group, where the gradient all-reduce is skipped. On
+    ``R > 1`` ranks it flattens every gradient into buckets that become the ``.grad``
+    tensors, while the engine still holds the gradients it produced: ``2·grad_bytes`` live
+    at the end of the backward.
+    """
     state = ctx.facts["linear_attention_state_bytes"]  # sum over layers of B*H*dk*dv*bytes
     relay = 2 * state  # forward KV to rank+1, backward dKV to rank-1
-    reduce = 2 * (R - 1) / R * ctx.expressions["grad_bytes"] if _opt(ctx.options, "reduce_grads", True) else 0
-    return {"comm_bytes": relay + reduce}
+    out: dict[str, sympy.Expr] = {}
+    if _opt(ctx.options, "reduce_grads", True):
+        grads = ctx.expressions["grad_bytes"]
+        out["comm_bytes"] = relay + 2 * (R - 1) / R * grads
+        out["peak_bytes"] = sympy.Max(ctx.expressions["peak_bytes"],
+                                      sympy.Piecewise((2 * grads, R > 1), (0, True)))
+    else:
+        out["comm_bytes"] = relay
+    return out
 
 
 register_rule(PlanRule(
-    "lasp", "per rank: the model on T/R tokens + one B*H*dk*dv state per layer and direction + grad all-reduce",
-    symbols={"world_size": R}, defaults=lambda o: {"world_size": 2}, probe_plan="none",
+    "lasp", "per rank: the plan on T/R tokens (probed on one rank) + one B*H*dk*dv state per layer and "
+    "direction + grad all-reduce", symbols={"world_size": R}, defaults=lambda o: {"world_size": 2},
     per_rank_seq_len=T / R, adjust=_lasp_adjust, needs=("linear_attention_state_bytes",)))

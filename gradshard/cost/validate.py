@@ -97,7 +97,7 @@ def measure_step(factory: Factory, plan: str, options: Mapping[str, Any], seq_le
     for p in cm.parameters():
         p.grad = None
     with _step_context(plan, options, seq_len):
-        return measure(make_step(cm), *inputs)
+        return measure(make_step(cm), *inputs, repeat=0)  # the instrumented step only
 
 
 def _to_device(tree: Any, device: str | torch.device) -> Any:

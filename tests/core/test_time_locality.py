@@ -155,3 +155,21 @@ def test_blockwise_linear_attention_is_causal(gated):
     out = tl[_out(cap)]
     assert out.time_dims == (1,) and out.reach.lo == -INF and out.reach.hi == 0
     assert any("token-token" in e or "chunked loop" in e for es in tl.evidence.values() for e in es)
+
+
+def test_new_zeros_does_not_inherit_time_labels():
+    """A state `q.new_zeros(B, dk)` must not tie time to dk when T == dk."""
+
+    class State(torch.nn.Module):
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], x.shape[2])
+            ys = []
+            for t in range(x.shape[1]):
+                h = 0.5 * h + x[:, t]
+                ys.append(h)
+            return torch.stack(ys, 1)
+
+    cap, tl = _analyze(State(), torch.randn(2, 8, 8))
+    nz = [n for n in cap.gm.graph.nodes if "new_zeros" in str(n.target)][0]
+    assert tl[nz].time_dims == () and tl[nz].reach is None
+    assert tl[_out(cap)].time_dims == (1,)

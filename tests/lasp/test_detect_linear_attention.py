@@ -11,7 +11,7 @@ import torch
 
 import gradshard as gs
 from examples import factories
-from models import tiny_lm
+from lasp_models import tiny_lm
 
 
 def _regions(model: torch.nn.Module, ids: torch.Tensor, kind: str = "linear_attention") -> list:

@@ -26,7 +26,7 @@ from gradshard.distributed.comm import CommTimeoutError
 from gradshard.distributed.testing import run_threaded
 from gradshard.errors import GradshardError, UnsupportedGraphError
 from gradshard.runtime.lasp import local_slice
-from models import VOCAB, tiny_lm
+from lasp_models import VOCAB, tiny_lm
 
 TIMEOUT = 3.0
 
@@ -78,7 +78,7 @@ def test_non_linear_attention_is_refused(impl: str, node: str, hint: str) -> Non
     with pytest.raises(UnsupportedGraphError) as info:
         _compile_single(model, ids)
     text = str(info.value)
-    assert f"node `{node}`" in text and hint in text and "models.py" in text
+    assert f"node `{node}`" in text and hint in text and "lasp_models.py" in text
 
 
 def test_other_recurrence_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""plan="lasp" on linear attention written in other styles (tests/lasp/models.py): the naive
+"""plan="lasp" on linear attention written in other styles (tests/lasp/lasp_models.py): the naive
 form without decay, with a learned λ^{i-j} mask, in (B, T, H, d) einsum layout, the unrolled
 per-step loop, the cumsum form with a normaliser; plus learned position embeddings (aranges
 offset per rank) and windows served by a halo exchange (token shift, causal conv).
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lasp_testing import compare_lasp
-from models import tiny_lm
+from lasp_models import tiny_lm
 
 TOL = 1e-10
 CASES = [

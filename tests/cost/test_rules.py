@@ -1,0 +1,74 @@
+"""Per-plan rules: SpaCO's expected FLOPs (checked by enumerating every selection), LASP's
+per-rank costs and communication, and the registry."""
+
+import itertools
+
+import pytest
+import sympy
+
+import gradshard as gs
+from examples import factories as F
+from gradshard.cost import cost
+from gradshard.cost.fit import B, T
+from gradshard.cost.rules import R, PlanRule, get_rule, register_rule, RULES
+from gradshard.cost.validate import measure_step
+
+
+def test_spaco_expected_backward_flops_equal_the_enumerated_expectation():
+    if "spaco" not in gs.plans():
+        pytest.skip("plan 'spaco' is not registered yet")
+    from gradshard.runtime.chunked import force_selection
+
+    target, inputs = F.llama(seq_len=32)
+    opts = {"chunk_size": 8, "budget": 2}
+    report = cost(target, "spaco", example_inputs=inputs, extra_rounds=0, **opts)
+    k, q = 4, 0.5  # T = 32: four chunks, each kept with probability budget/k
+    model, batch = F.llama(seq_len=32)
+    cm = gs.compile(model, "spaco", **opts)
+    cm(*batch)
+    expected = 0.0
+    for keep in itertools.product((0, 1), repeat=k):
+        chosen = [j for j in range(k) if keep[j]]
+        for p in cm.parameters():
+            p.grad = None
+        with force_selection(chosen):
+            from gradshard.cost import make_step
+            from gradshard.measure import measure
+
+            flops = measure(make_step(cm), *batch, repeat=0).backward_flops
+        expected += q ** len(chosen) * (1 - q) ** (k - len(chosen)) * flops
+    predicted = report.evaluate(seq_len=32, batch=2)["flops_bwd"]
+    assert predicted == pytest.approx(expected, rel=1e-9)
+    assert report.expressions["flops_bwd"].has(sympy.ceiling)
+    # memory is the worst case: every chunk kept
+    worst = measure_step(F.llama, "spaco", opts, 48, 2).peak_bytes
+    assert report.evaluate(seq_len=48, batch=2)["peak_bytes"] == pytest.approx(worst, rel=0.10)
+
+
+def test_lasp_rule_is_the_per_rank_cost_plus_state_relay():
+    if "lasp" not in gs.plans():
+        pytest.skip("plan 'lasp' is not registered yet")
+    target, inputs = F.linear_attention_gradshard(seq_len=32)
+    lasp = cost(target, "lasp", example_inputs=inputs)
+    assert lasp.symbols["world_size"] == R and lasp.defaults == {"world_size": 2}
+    for t, r in [(1024, 4), (4096, 8)]:  # a rank of R holds T/R tokens
+        per_rank, alone = lasp.evaluate(seq_len=t, batch=2, world_size=r), lasp.evaluate(t // r, 2, world_size=1)
+        for q in ("activation_bytes", "peak_bytes", "flops"):
+            assert per_rank[q] == alone[q]
+    # two layers of 4 heads, dk = dv = 8, float32: one B*H*dk*dv state per layer and direction
+    state = 2 * (4 * 8 * 8 * 4) * B
+    grads = lasp.expressions["grad_bytes"]
+    assert sympy.simplify(lasp.expressions["comm_bytes"] - (2 * state + 2 * (R - 1) / R * grads)) == 0
+    no_reduce = cost(target, "lasp", example_inputs=inputs, reduce_grads=False)
+    assert not no_reduce.expressions["comm_bytes"].has(R)
+
+
+def test_registry():
+    assert {"none", "seco", "spaco", "lasp", "adjoint", "truncated_adjoint", "partial_update"} <= set(RULES)
+    assert get_rule("some_future_plan").granularity(None) == 1
+    old = RULES.get("none")
+    try:
+        register_rule(PlanRule("none", "test", granularity=lambda o: 4))
+        assert get_rule("none").granularity(None) == 4
+    finally:
+        RULES["none"] = old
