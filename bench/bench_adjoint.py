@@ -37,6 +37,14 @@ import gradshard as gs  # noqa: E402
 from examples.models.ssm import SelectiveSSMLM, SSMConfig  # noqa: E402
 
 HEADING = "## Adjoint sharding (issue 3)"
+NOTES = (
+    "Notes. Targets (T=16K): peak >= 10x below autograd, >= 3x below per-layer checkpointing, time <= 1.5x. "
+    "With adjoint the peak is set by the LM head and cross-entropy (`gs.measure` reports the peak at "
+    "`_log_softmax_backward_data`; logits, log-softmax and their gradient are ~40% of it), which the adjoint "
+    "plan leaves to autograd; what the SSM layers keep is their inputs (B*T*P per layer) plus T/shard state "
+    "checkpoints. The truncated plan adds O(W) buffers (the next W-1 steps of (a, g) and one block of F), "
+    "visible at W=1024 and short T. Step times on this shared 2-core machine vary by 2-5x between runs "
+    "(other jobs); plain autograd at 64K is additionally slowed by multi-GB allocations.")
 METHODS = ("none", "checkpoint", "adjoint", "trunc_sqrt", "trunc_1024")
 
 
@@ -168,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "`torch.utils.flop_counter` (its formulas skip the scan kernel's elementwise work).\n\n"
         + table(rows)
         + (f"\n\nSkipped (time budget): {', '.join(skipped)}." if skipped else "")
+        + "\n\n" + NOTES
     )
     print(text)
     if not args.no_write:

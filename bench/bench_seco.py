@@ -135,7 +135,7 @@ def run_length(seq_len: int, chunks: list[int], reps: int) -> list[dict[str, Any
         m = measure(step, device="cpu", warmup=1, repeat=0)
         kv = _region(cm).program.cache_bytes() if cm is not None else 0
         rows[name] = {"T": seq_len, "config": name, "peak_bytes": m.peak_bytes, "kv_bytes": kv,
-                      "seconds": float("inf")}
+                      "seconds": float("inf"), "rounds": reps}
         print(f"  T={seq_len} {name:16s} peak {m.peak_bytes / 2**20:8.1f} MiB", flush=True)
     for _ in range(reps):
         for name, (step, _) in cfgs.items():
@@ -153,12 +153,12 @@ def run_length(seq_len: int, chunks: list[int], reps: int) -> list[dict[str, Any
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| T | config | peak MiB | KV cache MiB | step s | × autograd | × forward |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| T | config | peak MiB | KV cache MiB | step s | × autograd | × forward | rounds |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         kv = f"{r['kv_bytes'] / 2**20:.2f}" if r["kv_bytes"] else ""
         lines.append(f"| {r['T']} | {r['config']} | {r['peak_bytes'] / 2**20:.1f} | {kv} | {r['seconds']:.3f} | "
-                     f"{r['vs_autograd']:.2f} | {r['vs_forward']:.2f} |")
+                     f"{r['vs_autograd']:.2f} | {r['vs_forward']:.2f} | {r.get('rounds', '')} |")
     return "\n".join(lines)
 
 
@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="T = 256, 512; chunks 64, 128; 1 rep; no RESULTS.md")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of other sequence lengths from bench/out/seco.json (re-run some T only)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     lens = [256, 512] if args.quick else [int(x) for x in args.seq_lens.split(",")]
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_length(t, chunks, reps)
     out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
+    if args.merge and (out / "seco.json").exists():
+        old = [r for r in json.loads((out / "seco.json").read_text()) if r["T"] not in lens]
+        rows = sorted(old + rows, key=lambda r: r["T"])
     (out / "seco.json").write_text(json.dumps(rows, indent=1, default=str))
     if args.quick:
         print(table(rows))
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     body = (f"Llama-style LM ({cfg}, vocab 256, RoPE, GQA 4:2, SwiGLU, SDPA), batch 1, float32, mean "
             f"cross-entropy inside the compiled function. Peak = `gs.measure` peak live bytes of one "
             f"training step above the baseline (parameters and inputs excluded). Step time = min over "
-            f"{reps} interleaved rounds. `spaco t=8 c=256`: Bernoulli, keep probability 8/k.\n\n"
+            f"the interleaved rounds of its T (column `rounds`). `spaco t=8 c=256`: Bernoulli, keep probability 8/k.\n\n"
             + table(rows) + "\n\nPeak-memory growth per token (from the shortest to the longest T):\n\n"
             + slopes(rows) + "\n\n"
             "Reading: plain autograd and per-layer checkpointing grow with every activation per token; SeCO/SpaCO "

@@ -512,11 +512,23 @@ def _matmul_dims(a: Labels, b: Labels, sa: tuple[int, ...], sb: tuple[int, ...],
     return tuple(res[-len(out_shape):]) if out_shape else ()
 
 
+def _carry_leading_factors(src: NodeDims | None, n_lead: int, last: frozenset[int], last_size: int):
+    """Factors of an ``x @ W`` output: x's leading dims keep theirs (a merged ``B*T`` row dim
+    stays splittable), the new last dim is one factor."""
+    if src is None or src.factors is None:
+        return None
+    return tuple(src.factors[:n_lead]) + (((last, last_size),) if last and last_size != 1 else (),)
+
+
 @register_dim_rule(aten.matmul, aten.bmm, aten.mm)
 def _matmul_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     a, b = node.args[0], node.args[1]
     dims = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), shape_of(node) or (), ctx)
-    return NodeDims(dims, _merge_selected(node, ctx))
+    ad = ctx.get(a)
+    factors = None
+    if ad is not None and ad.factors is not None and len(shape_of(a) or ()) == 2 and len(dims) == 2:
+        factors = (ad.factors[0], ((dims[1], (shape_of(node) or (0, 0))[1]),) if dims[1] else ())
+    return NodeDims(dims, _merge_selected(node, ctx), factors=factors)
 
 
 @register_dim_rule(aten.baddbmm, aten.addmm, aten.addbmm)
@@ -524,7 +536,12 @@ def _addmm_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     bias, a, b = node.args[0], node.args[1], node.args[2]
     mm = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), shape_of(node) or (), ctx)
     bd = broadcast_dims(node, ctx, [bias])
-    return NodeDims(tuple(x | y for x, y in zip(mm, bd.dims)), _merge_selected(node, ctx))
+    dims = tuple(x | y for x, y in zip(mm, bd.dims))
+    ad = ctx.get(a)
+    factors = None
+    if ad is not None and ad.factors is not None and len(shape_of(a) or ()) == 2 and len(dims) == 2:
+        factors = (ad.factors[0], ((dims[1], (shape_of(node) or (0, 0))[1]),) if dims[1] else ())
+    return NodeDims(dims, _merge_selected(node, ctx), factors=factors)
 
 
 @register_dim_rule(aten.linear)
@@ -534,7 +551,8 @@ def _linear_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     wd = ctx.dims(w)
     if len(wd) == 2:
         ctx.unify([(xd[-1], None), (wd[1], None)])
-        return NodeDims(tuple(xd[:-1]) + (wd[0],), _merge_selected(node, ctx))
+        return NodeDims(tuple(xd[:-1]) + (wd[0],), _merge_selected(node, ctx),
+                        factors=_carry_leading_factors(ctx.get(x), len(xd) - 1, wd[0], (shape_of(node) or (1,))[-1]))
     return NodeDims(tuple(xd[:-1]) + (frozenset(),), _merge_selected(node, ctx))
 
 

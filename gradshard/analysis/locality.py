@@ -195,9 +195,11 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
                 add(src.dims[ax], f"{node.name}: {node.target._overloadpacket.__name__} along dim {ax}")
         elif _qualname(node) in CUSTOM_TIME_OPS:
             ax, _ = CUSTOM_TIME_OPS[_qualname(node)]
-            src = dims.dims_of(node.args[0])
-            if src is not None and len(src.dims) > ax:
-                add(src.dims[ax], f"{node.name}: {_qualname(node)}")
+            for arg in node.args[:3]:  # the first operand may broadcast over time (a of a scan)
+                src = dims.dims_of(arg) if isinstance(arg, fx.Node) else None
+                if src is not None and len(src.dims) > ax and src.dims[ax]:
+                    add(src.dims[ax], f"{node.name}: {_qualname(node)}")
+                    break
         elif node.target in (aten.scaled_dot_product_attention.default,):
             q = dims.dims_of(node.args[0])
             if q is not None and len(q.dims) >= 2:
@@ -205,6 +207,13 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
         elif node.target is aten.select.int and nd is not None:
             for l in nd.selected:
                 selects.setdefault(dims.canon(l), set()).add(node.args[2])
+        elif node.target is aten.unbind.int:
+            src = dims.dims_of(node.args[0])
+            n_out = len(node.meta.get("val") or ())
+            if src is not None and src.dims and n_out >= 2:
+                ax = (node.args[1] if len(node.args) > 1 else 0) % len(src.dims)
+                for l in src.dims[ax]:
+                    selects.setdefault(dims.canon(l), set()).update(range(n_out))
         elif node.target is aten.slice.Tensor and nd is not None and len(node.args) > 2:
             src = dims.dims_of(node.args[0])
             if src is not None and src.dims:

@@ -32,7 +32,7 @@ from ..plans import get_plan
 from .devices import get_device
 from .facts import graph_facts
 from .fit import B, T, Fit, fit_peak, fit_polynomial
-from .probe import InputAxes, ProbeSample, find_input_axes, run_probe
+from .probe import ProbeSample, find_input_axes, run_probe
 from .report import CostReport
 from .rules import RuleContext, get_rule, optimizer_states
 

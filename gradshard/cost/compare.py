@@ -90,7 +90,7 @@ def parse_plans(spec: str | Iterable[Any]) -> list[PlanRequest]:
 
 
 def _accepted(plan: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    from ..plans import PLANS, get_plan
+    from ..plans import get_plan
 
     try:
         cls = get_plan(plan).options

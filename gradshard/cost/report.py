@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 import sympy
 
 from .devices import DeviceProfile, RooflineEstimate, get_device, roofline_seconds
-from .fit import B, T, Fit
+from .fit import Fit
 from .units import format_bytes, format_flops
 
 __all__ = ["CostReport", "QUANTITIES", "BYTE_QUANTITIES"]

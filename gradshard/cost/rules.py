@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 import sympy
 
-from .fit import B, T
+from .fit import T
 
 __all__ = ["PlanRule", "RuleContext", "RULES", "register_rule", "get_rule", "R", "OPTIMIZER_STATES",
            "optimizer_states"]

@@ -173,3 +173,23 @@ def test_new_zeros_does_not_inherit_time_labels():
     nz = [n for n in cap.gm.graph.nodes if "new_zeros" in str(n.target)][0]
     assert tl[nz].time_dims == () and tl[nz].reach is None
     assert tl[_out(cap)].time_dims == (1,)
+
+
+def test_flattened_rows_through_a_matmul_keep_batch_and_time_apart():
+    """(B, T, D) -> (B*T, D) @ W -> (B, T, D'): the split gives time back to dim 1 only."""
+
+    class Rows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            B, T, D = x.shape
+            return torch.mm(x.reshape(B * T, D), self.w).reshape(B, T, D).cumsum(1)
+
+    cap, tl = _analyze(Rows(), torch.randn(3, 5, 8))
+    assert tl[_out(cap)].time_dims == (1,)
+    classes = tl.dims
+    ph = [n for n in cap.gm.graph.find_nodes(op="placeholder")][-1]
+    b, t = classes.input_labels[ph.name][:2]
+    assert classes.canon(b) != classes.canon(t)

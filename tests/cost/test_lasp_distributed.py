@@ -2,7 +2,6 @@
 cost model's per-rank prediction (the middle rank sends one state per layer in each direction)."""
 
 import pytest
-import torch
 
 import gradshard as gs
 from examples import factories as F

@@ -9,7 +9,7 @@ import sympy
 import gradshard as gs
 from examples import factories as F
 from gradshard.cost import cost
-from gradshard.cost.fit import B, T
+from gradshard.cost.fit import B
 from gradshard.cost.rules import R, PlanRule, get_rule, register_rule, RULES
 from gradshard.cost.validate import measure_step
 
