@@ -26,7 +26,7 @@ def run_demo(console: Console, *, plan: str, steps: int, seq_len: int, batch: in
     from gradshard.plans import get_plan
 
     from .load import repo_root
-    from .render import human_bytes, program_table, regions_table
+    from .render import human_bytes, program_summary, regions_table
 
     import sys
 
@@ -60,7 +60,8 @@ def run_demo(console: Console, *, plan: str, steps: int, seq_len: int, batch: in
     with console.status("capturing and compiling..."):
         entry = cm.compiled_for(ids)
     console.print(regions_table(entry.regions))
-    console.print(program_table(entry.program))
+    console.print(program_summary(entry.program))
+    console.print("[dim](every pass and stage: gradshard show examples/factories.py:ssm_gradshard_scan --plan adjoint)[/]")
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses: list[float] = []

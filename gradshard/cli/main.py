@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train the SSM LM on offline text with a plan, showing loss, memory and the rewritten graph")
     p.add_argument("--plan", default="adjoint")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE")

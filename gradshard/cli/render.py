@@ -115,3 +115,18 @@ def summary_panel(entry: CompiledGraph, gradient: str) -> Panel:
     if tl is not None:
         lines.append(f"time axis: T={tl.seq_len}; evidence: " + "; ".join(e for es in tl.evidence.values() for e in es))
     return Panel("\n".join(lines), title="gradshard", title_align="left")
+
+
+def program_summary(program: Program) -> Table:
+    """Stages grouped by phase and kind (the full list is `gradshard show`'s)."""
+    t = Table(title=f"Stage program: {len(program.stages)} stages, est. peak "
+                    f"{human_bytes(program.estimated_peak_bytes())}", title_justify="left")
+    for col in ("phase", "kind", "stages", "largest memory", "FLOPs", "kernels"):
+        t.add_column(col, justify="right" if col in ("stages", "largest memory", "FLOPs") else "left")
+    groups: dict[tuple[str, str], list] = {}
+    for st in program.stages:
+        groups.setdefault((st.phase, st.kind), []).append(st)
+    for (phase, kind), sts in groups.items():
+        t.add_row(phase, kind, str(len(sts)), human_bytes(max(x.memory_bytes for x in sts)),
+                  human_count(sum(x.flops for x in sts)), ", ".join(sorted({x.kernel for x in sts})))
+    return t

@@ -14,7 +14,7 @@ def llama_report():
     return cost(target, "none", example_inputs=inputs)
 
 
-@pytest.mark.parametrize("budget_at", [37, 101])
+@pytest.mark.parametrize("budget_at", [pytest.param(37, marks=pytest.mark.slow), 101])
 def test_max_seq_len_matches_bisection_plan_none(llama_report, budget_at):
     report = llama_report
     # a budget between the measured peaks of two consecutive lengths
