@@ -35,7 +35,8 @@ from gradshard.runtime.chunk_eval import ChunkEvaluator, NeedsCache, RecursionGu
 from gradshard.runtime.chunk_frames import SKIP, Frame, TDim
 from gradshard.runtime.chunk_reductions import make_reduction
 from gradshard.runtime.chunk_rules import (AttentionSource, BuildCtx, NodeRule, build_rule, meta_shape,
-                                           missing_frame_error, reshape_time, slots_of)
+                                           missing_frame_error, slots_of)
+from gradshard.runtime.chunk_rules_local import reshape_time
 from gradshard.runtime.chunked import ChunkEstimate, ChunkProgram, RegionOutput
 
 aten = torch.ops.aten

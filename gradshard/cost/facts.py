@@ -11,7 +11,8 @@ Facts (names a :class:`~gradshard.cost.rules.PlanRule` lists in ``needs``):
 - ``linear_attention_state_bytes``: the bytes of one recurrent state ``B·H·dk·dv`` summed
   over the linear-attention layers (what LASP relays between ranks), from the
   ``state_bytes`` of the compiler's ``linear_attention`` regions or the state outputs of
-  ``gradshard.kernels.lightning_attention``.
+  ``gradshard.kernels.lightning_attention``;
+- ``linear_attention_state_elements``: the same in elements (``B·H·dk·dv`` summed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def _linear_attention_state_bytes(gm: fx.GraphModule, dims: DimAnalysis, time_cl
     found = [r for r in regions if r.kind == "linear_attention" and "state_bytes" in r.options]
     if found:
         return sum((sympy.Integer(int(r.options["state_bytes"])) * B / region_batch for r in found), sympy.Integer(0))
+    return _kernel_states(gm, dims, time_cls, batch_cls, axes, elements=False)
+
+
+def _linear_attention_state_elements(gm: fx.GraphModule, dims: DimAnalysis, time_cls: int, batch_cls: int | None,
+                                     axes: InputAxes, regions: Sequence[Any], region_batch: int) -> sympy.Expr:
+    """Elements ``B·H·dk·dv`` of one KV state per layer, summed (see the bytes above)."""
+    found = [r for r in regions if r.kind == "linear_attention" and {"heads", "dk", "dv"} <= set(r.options)]
+    if found:
+        return sum((B * int(r.options["heads"]) * int(r.options["dk"]) * int(r.options["dv"]) for r in found),
+                   sympy.Integer(0))
+    return _kernel_states(gm, dims, time_cls, batch_cls, axes, elements=True)
+
+
+def _kernel_states(gm: fx.GraphModule, dims: DimAnalysis, time_cls: int, batch_cls: int | None, axes: InputAxes,
+                   *, elements: bool) -> sympy.Expr:
     total: sympy.Expr = sympy.Integer(0)
     count = 0
     for node in gm.graph.nodes:
@@ -77,6 +93,8 @@ def _linear_attention_state_bytes(gm: fx.GraphModule, dims: DimAnalysis, time_cl
             q = dims.dims_of(node.args[0])
             labels = [q.dims[0]] + [()] * (state.dim() - 1) if q is not None and q.dims else [()] * state.dim()
             per = symbolic_bytes(state, labels, dims, time_cls, batch_cls, axes.seq_len, axes.batch_size)
+            if elements:
+                per = per / state.element_size()
             if not per.has(B) and batch_cls is not None and state.shape[0] == axes.batch_size:
                 per = per * B / axes.batch_size
             total += per
@@ -89,7 +107,7 @@ def _linear_attention_state_bytes(gm: fx.GraphModule, dims: DimAnalysis, time_cl
     return total
 
 
-FACTS = ("linear_attention_state_bytes",)
+FACTS = ("linear_attention_state_bytes", "linear_attention_state_elements")
 
 
 def graph_facts(target: Any, example_inputs: Sequence[Any], axes: InputAxes, needs: Iterable[str], *,
@@ -115,7 +133,8 @@ def graph_facts(target: Any, example_inputs: Sequence[Any], axes: InputAxes, nee
             batch_cls = dims.canon(dims.input_labels[p.name][b[0]])
             break
     out: dict[str, sympy.Expr] = {}
-    if "linear_attention_state_bytes" in needs:
-        out["linear_attention_state_bytes"] = _linear_attention_state_bytes(cap.gm, dims, time_cls, batch_cls, axes,
-                                                                            regions, region_batch)
+    for name, fn in (("linear_attention_state_bytes", _linear_attention_state_bytes),
+                     ("linear_attention_state_elements", _linear_attention_state_elements)):
+        if name in needs:
+            out[name] = fn(cap.gm, dims, time_cls, batch_cls, axes, regions, region_batch)
     return out

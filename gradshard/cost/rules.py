@@ -168,14 +168,21 @@ register_rule(PlanRule(
 def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
     """Per-rank costs at ``T/R`` plus the KV-state relay and the gradient all-reduce.
 
-    The probes ran on a single-rank group, where the gradient all-reduce is skipped. On
-    ``R > 1`` ranks it flattens every gradient into buckets that become the ``.grad``
-    tensors, while the engine still holds the gradients it produced: ``2·grad_bytes`` live
-    at the end of the backward.
+    The probes ran on a single-rank group, where nothing is received and the gradient
+    all-reduce is skipped. On ``R > 1`` ranks a middle rank also combines the received
+    state into its outputs and gradients (FLOPs below), and the all-reduce flattens every
+    gradient into buckets that become the ``.grad`` tensors while the engine still holds the
+    gradients it produced: ``2·grad_bytes`` live at the end of the backward.
     """
     state = ctx.facts["linear_attention_state_bytes"]  # sum over layers of B*H*dk*dv*bytes
     relay = 2 * state  # forward KV to rank+1, backward dKV to rank-1
-    out: dict[str, sympy.Expr] = {}
+    # A middle rank combines the states it receives with its local results, one
+    # (T/R x dk) @ (dk x dv) product per head each (2·(T/R)·B·H·dk·dv FLOPs), as
+    # gradshard.runtime.lasp runs them: forward q S; backward do S^T, v D^T and k D.
+    # (Per-step decay gradients add up to two more products; they are not counted.)
+    one = sympy.Piecewise((2 * (T / R) * ctx.facts["linear_attention_state_elements"], R > 1), (0, True))
+    out: dict[str, sympy.Expr] = {"flops_fwd": ctx.expressions["flops_fwd"] + one,
+                                  "flops_bwd": ctx.expressions["flops_bwd"] + 3 * one}
     if _opt(ctx.options, "reduce_grads", True):
         grads = ctx.expressions["grad_bytes"]
         out["comm_bytes"] = relay + 2 * (R - 1) / R * grads
@@ -189,4 +196,5 @@ def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
 register_rule(PlanRule(
     "lasp", "per rank: the plan on T/R tokens (probed on one rank) + one B*H*dk*dv state per layer and "
     "direction + grad all-reduce", symbols={"world_size": R}, defaults=lambda o: {"world_size": 2},
-    per_rank_seq_len=T / R, adjust=_lasp_adjust, needs=("linear_attention_state_bytes",)))
+    per_rank_seq_len=T / R, adjust=_lasp_adjust,
+    needs=("linear_attention_state_bytes", "linear_attention_state_elements")))

@@ -34,7 +34,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "NodeRule", "BuildCtx", "AttentionSource", "build_rule", "register_chunk_rule", "CHUNK_RULES",
-    "slots_of", "meta_shape", "default_run", "missing_frame_error", "reshape_time",
+    "slots_of", "meta_shape", "default_run", "rebuild_args", "positional", "missing_frame_error",
 ]
 
 RunFn = Callable[[fx.Node, list, Demand, list, Any], Any]
@@ -288,7 +288,7 @@ def build_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
         builder = CHUNK_RULES.get(qual)
     has_time = any(bc.frame(a) for a in slots_of(node))
     if builder is None and packet is not None and torch.Tag.pointwise in getattr(target, "tags", ()):
-        builder = pointwise_rule
+        builder = CHUNK_RULES["pointwise"]  # any op tagged pointwise (chunk_rules_local)
     if builder is None:
         if not has_time and not (node.name in bc.tl.info and bc.tl[node].time_dims):
             return NodeRule((), tuple(None for _ in slots_of(node)), default_run)

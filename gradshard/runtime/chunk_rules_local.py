@@ -59,7 +59,7 @@ _POINTWISE = [
     aten.round, aten.trunc, aten.remainder, aten.fmod, aten.bitwise_and, aten.bitwise_or,
     aten.bitwise_xor, aten.logaddexp, aten.atan2, aten.hypot, aten.xlogy, aten.log_sigmoid,
 ]
-register_chunk_rule(*_POINTWISE)(pointwise_rule)
+register_chunk_rule(*_POINTWISE, "pointwise")(pointwise_rule)
 
 
 @register_chunk_rule(aten.dropout, aten.native_dropout, aten.feature_dropout, aten.bernoulli,
