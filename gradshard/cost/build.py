@@ -69,19 +69,6 @@ def probe_points(granule: int, *, batched: bool = True, seq_lens: Sequence[int] 
     return fit, checks
 
 
-def _options_of(plan: str, options: dict[str, Any]) -> Any:
-    from .. import plans as plan_mod
-
-    try:
-        return get_plan(plan).make_options(**options)
-    except GradshardError:
-        rule = get_rule(plan)
-        cls = {"lasp": getattr(plan_mod, "LaspOptions", None)}.get(plan)
-        if rule.probe_plan is None or cls is None:
-            raise
-        return cls(**options)
-
-
 def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any], device: str | None = None,
          dtype: torch.dtype | None = None, optimizer: str | float = "adamw",
          loss_fn: Callable[[Any], torch.Tensor] | None = None, time_axis: tuple[int, int] | None = None,
@@ -100,7 +87,7 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     keywords are the plan's options.
     """
     t_start = time.perf_counter()
-    opts = _options_of(plan, options)
+    opts = get_plan(plan).make_options(**options)  # validates the options with a clear error
     rule = get_rule(plan)
     profile = get_device(device) if device is not None else None
     if not isinstance(example_inputs, (tuple, list)):
@@ -113,8 +100,6 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     granule = plan_granule if plan_granule > 1 else default_granule(axes.seq_len)
     batched = any(axes.batch)
     fit_pts, check_pts = probe_points(granule, batched=batched, seq_lens=probe_seq_lens, chunked=plan_granule > 1)
-    probe_plan = rule.probe_plan or plan
-    probe_opts = rule.probe_options(opts) if rule.probe_plan else dict(options)
     samples: list[ProbeSample] = []
 
     def probe_all(points: Sequence[tuple[int, int]]) -> None:
@@ -122,9 +107,9 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
         for b, t in points:
             if (b, t) in done:
                 continue
-            say(f"probe {probe_plan} at batch={b}, seq_len={t}")
+            say(f"probe {plan} at batch={b}, seq_len={t}")
             ctx = (lambda t=t: rule.probe_context(opts, t)) if rule.probe_context is not None else None
-            samples.append(run_probe(model_or_fn, example_inputs, plan=probe_plan, options=probe_opts, axes=axes,
+            samples.append(run_probe(model_or_fn, example_inputs, plan=plan, options=dict(options), axes=axes,
                                      batch=b, seq_len=t, loss_fn=loss_fn, time_axis=time_axis, frontend=frontend,
                                      mode=probe_mode, dtype=dtype, context=ctx))
 
@@ -144,7 +129,7 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     if rule.per_rank_seq_len is not None:
         exprs = {k: sympy.expand(v.subs(T, rule.per_rank_seq_len)) if not v.has(sympy.Max)
                  else v.subs(T, rule.per_rank_seq_len) for k, v in exprs.items()}
-        notes.append(f"per-rank costs: probed plan {probe_plan!r} at seq_len = {rule.per_rank_seq_len}")
+        notes.append(f"per-rank costs: probed on one rank at seq_len = {rule.per_rank_seq_len}")
     exprs.setdefault("comm_bytes", sympy.Integer(0))
     if rule.adjust is not None:
         facts = graph_facts(model_or_fn, example_inputs, axes, rule.needs, time_axis=time_axis,

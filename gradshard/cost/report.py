@@ -4,7 +4,9 @@ A report holds sympy expressions in the batch ``B``, the sequence length ``T`` a
 plan's extra symbols (e.g. the world size ``R`` of LASP):
 
 ==================  ==========================================================================
-activation_bytes    bytes autograd saves for backward (distinct storages the step allocates)
+activation_bytes    bytes autograd saves for backward (distinct storages the step allocates);
+                    checkpoints a plan keeps itself (SeCO's KV cache, adjoint state
+                    checkpoints) live outside autograd: they count in peak_bytes only
 peak_bytes          peak live bytes of the step above what was alive before it (as
                     ``gs.measure`` reports it): activations, gradients, transients
 param_bytes         parameters and buffers of the compiled step (frozen slices included)

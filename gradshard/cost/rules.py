@@ -7,8 +7,8 @@ must respect:
 
 - ``granularity(options)``: probe sequence lengths are multiples of it (a chunk, a shard);
 - ``symbols``/``defaults``: extra symbols of the plan (LASP's world size ``R``);
-- ``probe_plan``/``per_rank_seq_len``: probe another plan at another length instead (a
-  sequence-parallel rank runs its slice of ``T/R`` tokens);
+- ``per_rank_seq_len``: the length one rank runs (a sequence-parallel rank holds ``T/R``
+  tokens): the probes are fitted in ``T`` and then ``T`` is replaced by it;
 - ``probe_context(options, seq_len)``: a context manager around each probe's step (SpaCO
   probes keep every chunk: the worst case memory and the full backward);
 - ``adjust(ctx)``: rewrite the probed expressions (communication per step, expected values
@@ -91,8 +91,6 @@ class PlanRule:
     granularity: Callable[[Any], int] = _one
     symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)
     defaults: Callable[[Any], dict[str, int]] = lambda options: {}
-    probe_plan: str | None = None
-    probe_options: Callable[[Any], dict[str, Any]] = lambda options: {}
     per_rank_seq_len: sympy.Expr | None = None
     adjust: Callable[[RuleContext], dict[str, sympy.Expr]] | None = None
     needs: tuple[str, ...] = ()  # graph facts adjust() reads (see gradshard.cost.facts)
