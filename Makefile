@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.gradshard-installed
 # here), the CUDA build from PyPI on GPU machines.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-all test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,11 +18,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/gradshard demo
 
+# The default suite skips tests marked `slow` (the full cost-model validation matrix, ~25 min
+# on 2 cores); `make test-all` runs everything.
 test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+test-all: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -m "not slow"
+	$(PY) -m pytest -q -x -m "not slow" tests/core
 
 bench: $(STAMP)
 	$(VENV)/bin/gradshard bench all
