@@ -179,6 +179,20 @@ def slopes(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def targets(rows: list[dict[str, Any]]) -> str:
+    """The paper's targets, checked on these rows."""
+    by = {(r["T"], r["config"]): r for r in rows}
+    lens = sorted({r["T"] for r in rows})
+    seco = ", ".join(f"T={t}: {by[(t, 'seco c=512')]['vs_autograd']:.2f}x" for t in lens if (t, "seco c=512") in by)
+    spaco = ", ".join(f"T={t}: {by[(t, 'spaco t=8 c=256')]['vs_forward']:.2f}x" for t in lens
+                      if (t, "spaco t=8 c=256") in by)
+    mem = ", ".join(f"T={t}: {by[(t, 'autograd')]['peak_bytes'] / by[(t, 'seco c=512')]['peak_bytes']:.1f}x"
+                    for t in lens if (t, "seco c=512") in by)
+    return ("Paper targets on this machine: SeCO time at chunk 512 vs autograd (target <= 1.35x): " + seco
+            + ". SpaCO (t=8) time vs a forward-only pass (should approach 1 as T grows): " + spaco
+            + ". Peak memory, autograd / SeCO c=512: " + mem + ".")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", default="1024,2048,4096,8192,16384")
@@ -186,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="T = 256, 512; chunks 64, 128; 1 rep; no RESULTS.md")
+    p.add_argument("--rewrite", action="store_true", help="only rewrite RESULTS.md from bench/out/seco.json")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of other sequence lengths from bench/out/seco.json (re-run some T only)")
     args = p.parse_args(argv)
@@ -194,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [64, 128] if args.quick else [int(x) for x in args.chunks.split(",")]
     reps = 1 if args.quick else args.reps
     rows: list[dict[str, Any]] = []
+    out = ROOT / "bench" / "out"
+    if args.rewrite:
+        rows = json.loads((out / "seco.json").read_text())
+        lens = []
     for t in lens:
         rows += run_length(t, chunks, reps)
-    out = ROOT / "bench" / "out"
     out.mkdir(exist_ok=True)
     if args.merge and (out / "seco.json").exists():
         old = [r for r in json.loads((out / "seco.json").read_text()) if r["T"] not in lens]
@@ -211,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             f"training step above the baseline (parameters and inputs excluded). Step time = min over "
             f"the interleaved rounds of its T (column `rounds`). `spaco t=8 c=256`: Bernoulli, keep probability 8/k.\n\n"
             + table(rows) + "\n\nPeak-memory growth per token (from the shortest to the longest T):\n\n"
-            + slopes(rows) + "\n\n"
+            + slopes(rows) + "\n\n" + targets(rows) + "\n\n"
             "Reading: plain autograd and per-layer checkpointing grow with every activation per token; SeCO/SpaCO "
             "grow only with the KV cache (the cache itself, its cotangent buffer, and the transient gradient "
             "of the cached prefix inside one chunk's backward: about 3x the cache per token). `forward` is a "

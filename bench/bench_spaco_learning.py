@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.steps} AdamW steps (lr {args.lr}, betas 0.9/0.95), same initialisation and batches for "
             f"every run. SpaCO: {k} chunks of {args.chunk}, budget t={args.budget} (sparsity {args.budget}/{k}). "
             "Train loss is the exact full-sequence loss in every run; validation loss over "
-            f"{args.val_batches} held-out batches.\n\n" + table + "\n\n"
+            f"{args.val_batches} held-out batches. s/step is wall time on the shared CPU: at T={args.seq_len} "
+            f"the per-chunk overhead of {k} small chunks dominates (see the table above for the "
+            "long-sequence speed of SpaCO).\n\n" + table + "\n\n"
             + (f"Plot: `bench/{png.name}`.\n" if made else "(matplotlib not installed: no plot.)\n"))
     write_section("SpaCO learning curves (bench/bench_spaco_learning.py)", body)
     if bias:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import kernels
 from .api import CompiledModule, backend, compile, plans
 from .errors import CaptureError, GradshardError, UnsupportedGraphError
+from .measure import measure  # after the submodule import: ``gs.measure`` is the function
 
 __all__ = [
     "compile", "CompiledModule", "backend", "plans", "measure", "cost", "kernels",
@@ -19,13 +20,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # measure/cost/distributed import heavier dependencies; load them on first use.
-    # Importing the submodule binds the *module* to this attribute; rebind the function.
-    if name == "measure":
-        from .measure import measure
-
-        globals()["measure"] = measure
-        return measure
+    # cost/distributed import heavier dependencies (sympy, torch.distributed); load them on
+    # first use. ``gradshard.cost`` is a callable module, so ``import gradshard.cost`` is safe.
     if name == "cost":
         from .cost import cost
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,10 @@ class CompiledGraph:
 
     def __call__(self, *flat: torch.Tensor) -> Any:
         return self.gm(*flat)
+
+
+#: ``serve(compiled_module, args, kwargs) -> CompiledGraph | None``: see ``register_specializer``.
+Specializer = Callable[["CompiledModule", tuple, dict], "CompiledGraph | None"]
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, options: dict[str, Any],
@@ -94,6 +98,7 @@ class CompiledModule(nn.Module):
             self._fn = target
         self._cache: dict[tuple, CompiledGraph] = {}
         self._last: CompiledGraph | None = None
+        self._specializers: list[Specializer] = []
 
     # ---------------------------------------------------------------- calling
 
@@ -110,21 +115,50 @@ class CompiledModule(nn.Module):
         return cap.rebuild_output(list(out))
 
     def compiled_for(self, *args: Any, **kwargs: Any) -> CompiledGraph:
-        """Capture and compile for this input signature (cached)."""
+        """The specialisation for this input signature: cached, served by a registered
+        specialiser (e.g. the adjoint plan's new-length server), or captured and compiled."""
         key = guard_key(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
-            if self._cache:
-                log.info("gradshard: new input signature, capturing again (%d cached)", len(self._cache))
-            cap = capture(self.target, args, kwargs, frontend=self.frontend)
-            entry = compile_graph(cap.gm, cap.example_inputs, self.plan, self.options,
-                                  captured=cap, time_axis=self.time_axis, backend=self.backend)
-            hook = getattr(entry.gm, "gs_attach", None)
-            if callable(hook):
-                hook(self)
-            self._cache[key] = entry
+            for serve in self._specializers:
+                entry = serve(self, args, kwargs)
+                if entry is not None:
+                    self._cache[key] = entry
+                    break
+            else:
+                entry = self.specialize(args, kwargs)
         self._last = entry
         return entry
+
+    def specialize(self, args: tuple, kwargs: dict | None = None, *,
+                   real_values: Mapping[int, torch.Tensor] | None = None) -> CompiledGraph:
+        """Capture at ``args``/``kwargs``, run the plan's passes and cache the result.
+
+        ``real_values`` maps ``id(example tensor)`` to the tensor whose *values* the passes
+        should read instead (the cost model traces with fake tensors but lets analyses read
+        real parameter values, e.g. whether a decay mask is causal).
+        """
+        kwargs = kwargs or {}
+        if self._cache:
+            log.info("gradshard: new input signature, capturing again (%d cached)", len(self._cache))
+        cap = capture(self.target, args, kwargs, frontend=self.frontend)
+        example = cap.example_inputs
+        if real_values:
+            example = [real_values.get(id(t), t) for t in example]
+        entry = compile_graph(cap.gm, example, self.plan, self.options,
+                              captured=cap, time_axis=self.time_axis, backend=self.backend)
+        hook = getattr(entry.gm, "gs_attach", None)
+        if callable(hook):
+            hook(self)
+        self._cache[guard_key(args, kwargs)] = entry
+        self._last = entry
+        return entry
+
+    def register_specializer(self, serve: Specializer) -> None:
+        """Consult ``serve(cm, args, kwargs)`` on every cache miss before capturing again; it
+        returns a :class:`CompiledGraph` for these inputs, or None to capture as usual."""
+        if serve not in self._specializers:
+            self._specializers.append(serve)
 
     # ---------------------------------------------------------------- inspection
 
@@ -133,6 +167,16 @@ class CompiledModule(nn.Module):
             raise GradshardError("the module has not been called yet: gradshard captures at the "
                                  "first call (call it once with example inputs, then inspect)")
         return self._last
+
+    @property
+    def specializations(self) -> tuple[CompiledGraph, ...]:
+        """Every cached specialisation, oldest first."""
+        return tuple(self._cache.values())
+
+    @property
+    def current(self) -> CompiledGraph:
+        """The specialisation the last call ran (capture, rewritten graph, program, records)."""
+        return self._entry()
 
     @property
     def regions(self) -> tuple[Region, ...]:

@@ -214,6 +214,30 @@ def _input_storage_keys(args: tuple, kwargs: dict | None) -> set[int]:
     return keys
 
 
+# torch.compiler.set_stance is process-wide, not per thread: trackers entered on several
+# threads (threaded ranks) must share one "force_eager" stance, set by the first to enter and
+# restored by the last to leave -- nested set/restore pairs from different threads would
+# otherwise leave the process in force_eager for good.
+_STANCE_LOCK = threading.Lock()
+_STANCE: dict[str, Any] = {"users": 0, "handle": None}
+
+
+def _enter_eager_stance() -> None:
+    with _STANCE_LOCK:
+        if _STANCE["users"] == 0:
+            # Constructing set_stance switches the stance at once; its __exit__ restores it.
+            _STANCE["handle"] = torch.compiler.set_stance("force_eager")
+        _STANCE["users"] += 1
+
+
+def _exit_eager_stance() -> None:
+    with _STANCE_LOCK:
+        _STANCE["users"] -= 1
+        if _STANCE["users"] == 0:
+            handle, _STANCE["handle"] = _STANCE["handle"], None
+            handle.__exit__(None, None, None)
+
+
 class LiveTensorTracker(TorchDispatchMode):
     """Count the bytes of tensor storages allocated inside the context and still alive.
 
@@ -279,8 +303,8 @@ class LiveTensorTracker(TorchDispatchMode):
             )
         self._entered = True
         if self._force_eager:
-            # Constructing set_stance switches the stance at once; its __exit__ restores it.
-            self._stance = torch.compiler.set_stance("force_eager")
+            _enter_eager_stance()
+            self._stance = True
         try:
             super().__enter__()
         except BaseException:
@@ -291,8 +315,8 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _restore_stance(self) -> None:
         if self._stance is not None:
-            stance, self._stance = self._stance, None
-            stance.__exit__(None, None, None)
+            self._stance = None
+            _exit_eager_stance()
 
     def __exit__(self, exc_type, exc, tb):
         try:

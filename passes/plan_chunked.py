@@ -16,6 +16,9 @@ _PASSES = (
     # Per-timestep Python loops become one linear_scan each (run chunk by chunk with a carried
     # state); needs the time analysis and recomputes it, so detection below sees the scans.
     "roll_loops:roll_loops",
+    # Vectorised scans the chunk rules cannot carry themselves (associative_scan trees) become
+    # one scan op each; after rolling, before detection; recomputes the time analysis.
+    "canonicalize_recurrence:canonicalize_recurrences",
     # Detectors (attention among them) need the time analysis (causality, score matrices);
     # their attention regions name the KV cache points the planner keeps.
     "detect_regions:detect_regions",

@@ -589,3 +589,41 @@ def test_higher_order_op_runs_below_the_tracker() -> None:
     ]
     assert tr.live_bytes == 64 and out.numel() * 4 == 64
     del out
+
+
+def test_trackers_on_overlapping_threads_restore_the_compile_stance() -> None:
+    """set_stance is process-wide: trackers entered and left in interleaved order on several
+    threads must leave torch.compile working afterwards (not stuck in force_eager)."""
+    import threading
+
+    inside = [threading.Event(), threading.Event()]
+    leave = [threading.Event(), threading.Event()]
+
+    def body(i: int) -> None:
+        with LiveTensorTracker():
+            inside[i].set()
+            assert leave[i].wait(timeout=30)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(2)]
+    threads[0].start()
+    assert inside[0].wait(timeout=30)  # thread 0 enters first ...
+    threads[1].start()
+    assert inside[1].wait(timeout=30)
+    for i in range(2):  # ... and leaves first
+        leave[i].set()
+        threads[i].join(timeout=30)
+    seen: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append(1)
+        return gm.forward
+
+    torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.randn(3))
+    assert seen == [1]
+
+
+def test_gs_measure_stays_the_function_after_importing_the_submodule() -> None:
+    import gradshard as gs
+    import gradshard.measure  # noqa: F401 - binds the submodule attribute on first import
+
+    assert callable(gs.measure) and gs.measure is measure

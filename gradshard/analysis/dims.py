@@ -107,6 +107,13 @@ class _Ctx:
         shp = shape_of(arg) if isinstance(arg, fx.Node) else None
         return tuple(frozenset() for _ in shp) if shp else ()
 
+    def factors(self, arg: Any, i: int) -> "Factors | None":
+        """The (labels, size) factors of dim ``i`` of ``arg`` when it is a merged dim, else None."""
+        d = self.get(arg)
+        if d is None or d.factors is None or i >= len(d.factors):
+            return None
+        return d.factors[i] or None
+
     def union(self, labels: Iterable[int]) -> None:
         labels = list(labels)
         if len(labels) > 1:
@@ -520,15 +527,44 @@ def _carry_leading_factors(src: NodeDims | None, n_lead: int, last: frozenset[in
     return tuple(src.factors[:n_lead]) + (((last, last_size),) if last and last_size != 1 else (),)
 
 
+def _matmul_factors(a: Any, b: Any, out_shape: tuple[int, ...], dims: Labels,
+                    ctx: _Ctx) -> tuple[Factors, ...] | None:
+    """Factors of a matmul output: batch dims from the operand aligned with them (so a merged
+    ``B*T`` batch of a ``bmm`` stays splittable), rows from ``a``, columns from ``b``."""
+    sa, sb = shape_of(a) or (), shape_of(b) or ()
+    ad, bd = ctx.get(a), ctx.get(b)
+    if len(out_shape) < 2 or len(sa) < 2 or not ((ad and ad.factors) or (bd and bd.factors)):
+        return None
+
+    def own(d: NodeDims | None, shp: tuple[int, ...], i: int) -> Factors | None:
+        """Factors of dim ``i`` of an operand (a plain dim is its own single factor)."""
+        if d is None or not (0 <= i < len(shp)) or shp[i] == 1:
+            return None
+        if d.factors is not None and i < len(d.factors) and d.factors[i]:
+            return d.factors[i]
+        return ((d.dims[i], shp[i]),) if d.dims[i] else None
+
+    out: list[Factors] = []
+    nb = len(out_shape) - 2
+    for i in range(nb):
+        fs: Factors | None = None
+        for d, shp in ((ad, sa), (bd, sb)):
+            j = i - (nb - (len(shp) - 2))
+            if fs is None and 0 <= j < len(shp) - 2 and shp[j] == out_shape[i]:
+                fs = own(d, shp, j)
+        out.append(fs or (((dims[i], out_shape[i]),) if dims[i] and out_shape[i] != 1 else ()))
+    row = own(ad, sa, len(sa) - 2)
+    out.append(row or (((dims[-2], out_shape[-2]),) if dims[-2] and out_shape[-2] != 1 else ()))
+    out.append(((dims[-1], out_shape[-1]),) if dims[-1] and out_shape[-1] != 1 else ())
+    return tuple(out)
+
+
 @register_dim_rule(aten.matmul, aten.bmm, aten.mm)
 def _matmul_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
     a, b = node.args[0], node.args[1]
-    dims = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), shape_of(node) or (), ctx)
-    ad = ctx.get(a)
-    factors = None
-    if ad is not None and ad.factors is not None and len(shape_of(a) or ()) == 2 and len(dims) == 2:
-        factors = (ad.factors[0], ((dims[1], (shape_of(node) or (0, 0))[1]),) if dims[1] else ())
-    return NodeDims(dims, _merge_selected(node, ctx), factors=factors)
+    out_shape = shape_of(node) or ()
+    dims = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), out_shape, ctx)
+    return NodeDims(dims, _merge_selected(node, ctx), factors=_matmul_factors(a, b, out_shape, dims, ctx))
 
 
 @register_dim_rule(aten.baddbmm, aten.addmm, aten.addbmm)
@@ -662,7 +698,7 @@ def _loss_rule(node: fx.Node, ctx: _Ctx) -> NodeDims:
                 j = i if i == 0 else i + 1
                 if len(ld) == 2:
                     j = 0
-                ctx.unify([(ls, None), (ld[j], None)])
+                ctx.unify([(ls, ctx.factors(target, i)), (ld[j], ctx.factors(logits, j))])
     else:
         broadcast_dims(node, ctx, [logits, target])
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)

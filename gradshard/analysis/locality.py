@@ -222,7 +222,8 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
                     slices.setdefault(dims.canon(l), set()).add(node.args[2] or 0)
         elif node.target in (aten.matmul.default, aten.bmm.default, aten.einsum.default) and nd is not None:
             shp = shape_of(node) or ()
-            if len(nd.dims) >= 2 and nd.dims[-1] and nd.dims[-2] and shp[-1] > 1:
+            if (len(nd.dims) >= 2 and nd.dims[-1] and nd.dims[-2] and shp[-1] > 1
+                    and _last_two_from_different_operands(node)):
                 c1 = {dims.canon(l) for l in nd.dims[-1]}
                 c2 = {dims.canon(l) for l in nd.dims[-2]}
                 if c1 & c2:
@@ -567,3 +568,18 @@ def _stack_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo]
         lo, hi = 0, 0
     reach = Reach(lo, hi)
     return TimeInfo(tdims, reach, reach, None, False, f"stack of {len(pieces)} loop steps")
+
+
+def _last_two_from_different_operands(node: fx.Node) -> bool:
+    """Whether a contraction's last two output dims come from different operands, as the query
+    and key lengths of ``q @ k^T`` do. An einsum such as ``bn,bhnp->bhp`` takes both from one
+    operand (a per-head split of one channel dim): no token-token product."""
+    if node.target is not aten.einsum.default:
+        return True  # matmul/bmm: rows from the first operand, columns from the second
+    eq = str(node.args[0]).replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    if not rhs or "..." in eq or len(rhs) < 2:
+        return True
+    specs = lhs.split(",")
+    owners = [{i for i, sp in enumerate(specs) if c in sp} for c in rhs[-2:]]
+    return not (len(owners[0]) == 1 and owners[0] == owners[1])

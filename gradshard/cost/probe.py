@@ -208,18 +208,7 @@ def _compile_at(cm: Any, inputs: tuple, originals: dict[int, torch.Tensor]) -> A
     (e.g. whether a decay mask is causal), and a fake tensor has no values to read. The entry
     is installed in ``cm``'s specialisation cache, so calling ``cm`` runs it.
     """
-    from ..api import compile_graph
-    from ..capture import guard_key
-
-    cap = capture(cm.target, inputs, {}, frontend=cm.frontend)
-    example = [originals.get(id(t), t) for t in cap.example_inputs]
-    entry = compile_graph(cap.gm, example, cm.plan, cm.options, captured=cap, time_axis=cm.time_axis)
-    hook = getattr(entry.gm, "gs_attach", None)
-    if callable(hook):
-        hook(cm)
-    cm._cache[guard_key(inputs, {})] = entry
-    cm._last = entry
-    return entry
+    return cm.specialize(inputs, {}, real_values=originals)
 
 
 def _grad_step(cm: nn.Module, loss_fn: Callable | None) -> Callable[..., torch.Tensor]:
@@ -237,7 +226,7 @@ def _grad_step(cm: nn.Module, loss_fn: Callable | None) -> Callable[..., torch.T
     def step(*inputs: Any) -> torch.Tensor:
         seen: set[int] = set()
         leaves = []
-        cap = cm._last.captured
+        cap = cm.current.captured
         for t in [*cap.params, *cm.parameters(), *tensor_leaves(inputs)]:
             if t.requires_grad and t.is_leaf and id(t) not in seen:
                 seen.add(id(t))
@@ -299,7 +288,7 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
         peak_phase=tracker.peak_phase, mode="fake" if fake else "real",
         ops=tuple(s.op for s in timeline if not s.op.startswith("prim.")),
         live=tuple(s.live_bytes for s in timeline if not s.op.startswith("prim.")),
-        regions=tuple(cm._last.regions),
+        regions=tuple(cm.current.regions),
         phase_peaks=(max((s.live_bytes for s in timeline if s.phase == "forward"), default=0),
                      max((s.live_bytes for s in timeline if s.phase == "backward"), default=0)),
     )

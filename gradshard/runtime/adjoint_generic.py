@@ -13,7 +13,8 @@ check, or whose re-specialisation is refused, falls back to the normal capture.
 
 ``install_length_generic(gm, facts, tl)`` stores the facts on the rewritten graph and a
 ``gs_attach`` hook; ``CompiledModule`` calls the hook once, which routes cache misses that
-differ only in the time length through :func:`serve_new_length`.
+differ only in the time length through :func:`serve_new_length` (registered with
+``CompiledModule.register_specializer``).
 """
 
 from __future__ import annotations
@@ -42,24 +43,12 @@ def install_length_generic(gm: fx.GraphModule, facts: dict, tl: Any) -> None:
 
 
 def _attach(gm: fx.GraphModule, cm: Any) -> None:
-    if getattr(cm, "_gs_length_generic", False):
-        return
-    cm._gs_length_generic = True
-    original = cm.compiled_for
+    cm.register_specializer(_serve)
 
-    def compiled_for(*args: Any, **kwargs: Any) -> Any:
-        from gradshard.capture import guard_key
 
-        key = guard_key(args, kwargs)
-        if key not in cm._cache:
-            entry = serve_new_length(cm, args, kwargs)
-            if entry is not None:
-                cm._cache[key] = entry
-                cm._last = entry
-                return entry
-        return original(*args, **kwargs)
-
-    cm.compiled_for = compiled_for
+def _serve(cm: Any, args: tuple, kwargs: dict) -> Any:
+    """Specialiser: serve inputs that differ from a compiled entry only in time length."""
+    return serve_new_length(cm, args, kwargs)
 
 
 def _new_length(entry: Any, args: tuple, kwargs: dict) -> Optional[int]:
@@ -183,7 +172,7 @@ def _probe_ok(cm: Any, entry: Any, args: tuple, kwargs: dict, T_new: int) -> boo
 
 def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """A compiled entry for ``args`` re-specialised from a cached one, or ``None``."""
-    for entry in list(cm._cache.values()):
+    for entry in cm.specializations:
         T_new = _new_length(entry, args, kwargs)
         if T_new is None:
             continue

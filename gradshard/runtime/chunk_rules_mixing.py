@@ -351,6 +351,33 @@ def _linear_scan_run(node: fx.Node, vals: list, demand: Demand, arg_demands: lis
     return torch.ops.gradshard.linear_scan(*args, **kwargs)
 
 
+def _dense_scan_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
+    lo, hi = demand[0]
+    if lo > ev.start:
+        full = ev.value(node, ((ev.start, hi),))
+        return full.narrow(1, lo - ev.start, hi - lo)
+    args, kwargs = rebuild_args(node, vals)
+    args = list(args) + [None] * (3 - len(args))
+    if lo > 0:
+        args[2] = ev.value(node, ((lo - 1, lo),)).squeeze(1)
+    return node.target(*args, **kwargs)
+
+
+@register_chunk_rule("gradshard::dense_linear_scan")
+def _dense_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """``h_t = A_t @ h_{t-1} + u_t`` (a rolled dense loop): the last state is the next chunk's h0."""
+    u = node.args[1]
+    fr = bc.frame(u)
+    if len(fr) != 1 or fr[0].dim != 1 or not fr[0].pure(meta_shape(u)[1]):
+        raise node_error(node, "dense_linear_scan whose time axis gradshard cannot follow", _INSTEAD)
+    h0 = _arg(node, 2, "h0")
+    if isinstance(h0, fx.Node) and bc.frame(h0):
+        raise node_error(node, "the initial state of a scan runs along time", _INSTEAD)
+    rule = positional(node, bc, lambda i, a, td: td, run=_dense_scan_run, kind="scan")
+    rule.note = "dense_linear_scan carried across chunks"
+    return rule
+
+
 @register_chunk_rule("gradshard::linear_scan")
 def _linear_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     reverse = _arg(node, 3, "reverse", False)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..backend import accumulation_dtype
-from .layout import INTERPRETED, check_device, state_strides, tl_dtype
+from .layout import INTERPRETED, check_device, serialized_launch, state_strides, tl_dtype
 from .scan import affine_combine
 
 
@@ -88,6 +88,7 @@ def _adjoint_shard_kernel(
     tl.store(GH0 + pid_b * N + n, a1 * lam, mask=nmask)
 
 
+@serialized_launch
 def adjoint_shard_triton(
     a: torch.Tensor,
     u: torch.Tensor,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 import triton
@@ -12,6 +15,27 @@ from ..backend import ensure_interpreter_consistent, interpreter_enabled
 
 #: Whether this process's @triton.jit functions were created in interpreter mode.
 INTERPRETED: bool = interpreter_enabled()
+
+# The Triton interpreter patches `triton.language` globally while a kernel runs, so two threads
+# launching at once break each other ("Did you forget to add @triton.jit ?"). Threaded ranks
+# (gradshard.distributed.testing) do exactly that; compiled launches need no lock. Reentrant:
+# scan_triton calls itself for the chunk summaries.
+_INTERPRETER_LOCK = threading.RLock()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def serialized_launch(fn: F) -> F:
+    """Run ``fn`` (a kernel launcher) under a process-wide lock in interpreter mode; as is when compiled."""
+    if not INTERPRETED:
+        return fn
+
+    @functools.wraps(fn)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

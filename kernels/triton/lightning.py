@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import INTERPRETED, check_device, dot_precision, pow2, tl_dtype
+from .layout import INTERPRETED, check_device, dot_precision, pow2, serialized_launch, tl_dtype
 
 
 @triton.jit
@@ -181,6 +181,7 @@ def _decay_args(decay: Optional[torch.Tensor], like: torch.Tensor):
     return decay, tuple(decay.stride())
 
 
+@serialized_launch
 def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.dtype, acc: torch.dtype):
     """Forward. ``decay`` None or per step (B, H, T); returns (o in out_dtype, final state in acc)."""
     check_device(q)
@@ -206,6 +207,7 @@ def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.d
     return o, final
 
 
+@serialized_launch
 def lightning_bwd_triton(q, k, v, decay, s0, do, ds, chunk_size: int, acc: torch.dtype):
     """Backward. Returns (dq, dk, dv in the inputs' dtypes, dd per step (B, H, T) or None, dS0 in acc)."""
     check_device(q)

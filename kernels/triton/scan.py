@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..backend import accumulation_dtype
-from .layout import check_device, state_strides, tl_dtype, INTERPRETED
+from .layout import INTERPRETED, check_device, serialized_launch, state_strides, tl_dtype
 
 
 @triton.jit
@@ -99,6 +99,7 @@ def _default_chunk(batch: int, n: int, length: int, block_t: int, block_n: int, 
     return max(8 * block_t, triton.cdiv(chunk, block_t) * block_t)
 
 
+@serialized_launch
 def scan_triton(
     a: torch.Tensor,
     u: torch.Tensor,

@@ -42,9 +42,6 @@ def _model(name: str, h0: bool) -> torch.nn.Module:
 def test_ssm_lm_adjoint_exact(name, batch, h0):
     model = _model(name, h0)
     ids = torch.randint(0, SMALL["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(batch))
-    # the core's time-axis inference mistakes the per-head split (H, P/H) of the loop model's
-    # per-step einsum for a token-token product; the axis is passed explicitly there
-    hint = {"time_axis": (0, 1)} if name == "loop_scalar_conv" else {}
-    cm = assert_same_grads(model, (ids,), shard_size=4, **hint)
+    cm = assert_same_grads(model, (ids,), shard_size=4)
     regions = [r for r in cm.regions if r.kind == "linear_recurrence"]
     assert len(regions) == SMALL["n_layers"], [r.describe() for r in regions]

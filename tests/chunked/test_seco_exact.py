@@ -151,6 +151,8 @@ def test_float32_close_and_repeated_calls_accumulate() -> None:
     ("hybrid", {"ssm_loop": True}),  # per-step Python loop, rolled into linear_scan by roll_loops
     ("ssm_scalar_decay", {}),        # causal conv1d + learned h0 folded in with cat along time
     ("ssm_gradshard_scan", {}),      # gradshard.kernels.linear_scan
+    ("ssm_associative_scan", {}),    # associative_scan tree, canonicalised into one scan op
+    ("ssm_dense", {}),               # dense transition A_t @ h (dense_linear_scan after rolling)
 ])
 def test_recurrent_variants(factory: str, overrides: dict) -> None:
     import examples.factories as factories

@@ -26,7 +26,7 @@ def test_compiled_graph_keeps_ops_and_gradients():
     compiled = torch.compile(f, backend=backend, fullgraph=True)
     got = torch.autograd.grad(compiled(*inputs), inputs)
     ref = torch.autograd.grad(f(*inputs), inputs)
-    assert sum("gradshard.linear_scan" in t for t in seen) == 1
+    assert sum("gradshard.linear_scan" in t for t in seen) == 1, seen
     assert sum("gradshard.lightning_attention" in t for t in seen) == 1
     for x, y in zip(got, ref):
         assert torch.allclose(x, y, rtol=1e-12, atol=0)
