@@ -6,17 +6,12 @@ chosen when kernels are defined, i.e. at import time).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import gradshard as gs
 from examples import factories
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.interpreted import INTERPRETED, run_under_interpreter
 
 
 def _grads(backend):
@@ -41,12 +36,7 @@ if not INTERPRETED:
             _grads("triton")
 
     def test_triton_backend_under_interpreter_matches_torch():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider"]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-        assert " passed" in run.stdout
+        run_under_interpreter(__file__)
 
 else:
 

@@ -6,14 +6,11 @@ Tolerances: float64 1e-12 (same arithmetic, different association), float32 1e-5
 float16/bfloat16 two output ulps (accumulation is float32, only the output is rounded).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.interpreted import INTERPRETED, run_under_interpreter
+
 F64 = torch.float64
 
 
@@ -28,12 +25,7 @@ def tol(dtype: torch.dtype) -> float:
 if not INTERPRETED:
 
     def test_triton_kernels_under_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider"]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-        assert " passed" in run.stdout and "skipped" not in run.stdout
+        run_under_interpreter(__file__)
 
 else:
     import gradshard.kernels as gk

@@ -10,14 +10,12 @@ Triton picks interpreter mode when the kernels are defined (at import).
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from tests.interpreted import INTERPRETED, run_under_interpreter
+
 TOL = 1e-10
 
 
@@ -28,12 +26,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 if not INTERPRETED:
 
     def test_plans_on_triton_under_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-p", "no:cacheprovider"]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-        assert " passed" in run.stdout and "skipped" not in run.stdout
+        run_under_interpreter(__file__)
 
 else:
     import gradshard as gs
