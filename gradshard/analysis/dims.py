@@ -499,24 +499,26 @@ def _getitem_rule(node: fx.Node, ctx: _Ctx) -> NodeDims | None:
 
 def _matmul_dims(a: Labels, b: Labels, sa: tuple[int, ...], sb: tuple[int, ...],
                  out_shape: tuple[int, ...], ctx: _Ctx) -> Labels:
-    if len(sa) == 1:
+    vec_a, vec_b = len(sa) == 1, len(sb) == 1  # torch.matmul drops a vector operand's dim
+    if vec_a:
         a, sa = (frozenset(),) + a, (1,) + sa
-    if len(sb) == 1:
+    if vec_b:
         b, sb = b + (frozenset(),), sb + (1,)
-    batch_nd = len(out_shape) - 2 if len(out_shape) >= 2 else 0
+    batch_nd = max(len(sa), len(sb)) - 2
+    full_shape = tuple(out_shape[:batch_nd]) + (sa[-2], sb[-1])
     out: list[set[int]] = [set() for _ in range(batch_nd)]
     sides: list[list[frozenset[int]]] = [[] for _ in range(batch_nd)]
     for labels, shp in ((a[:-2], sa[:-2]), (b[:-2], sb[:-2])):
         off = batch_nd - len(shp)
         for i, (ls, s) in enumerate(zip(labels, shp)):
-            if 0 <= i + off < batch_nd and s == out_shape[i + off] and s != 1:
+            if 0 <= i + off < batch_nd and s == full_shape[i + off] and s != 1:
                 out[i + off] |= ls
                 sides[i + off].append(ls)
     for sd in sides:
         ctx.unify([(ls, None) for ls in sd])
     ctx.unify([(a[-1], None), (b[-2], None)])  # contracted dims are the same axis
-    res = [frozenset(s) for s in out] + [a[-2], b[-1]]
-    return tuple(res[-len(out_shape):]) if out_shape else ()
+    res = [frozenset(s) for s in out] + ([] if vec_a else [a[-2]]) + ([] if vec_b else [b[-1]])
+    return tuple(res)
 
 
 def _carry_leading_factors(src: NodeDims | None, n_lead: int, last: frozenset[int], last_size: int):
@@ -533,7 +535,7 @@ def _matmul_factors(a: Any, b: Any, out_shape: tuple[int, ...], dims: Labels,
     ``B*T`` batch of a ``bmm`` stays splittable), rows from ``a``, columns from ``b``."""
     sa, sb = shape_of(a) or (), shape_of(b) or ()
     ad, bd = ctx.get(a), ctx.get(b)
-    if len(out_shape) < 2 or len(sa) < 2 or not ((ad and ad.factors) or (bd and bd.factors)):
+    if len(out_shape) < 2 or len(sa) < 2 or len(sb) < 2 or not ((ad and ad.factors) or (bd and bd.factors)):
         return None
 
     def own(d: NodeDims | None, shp: tuple[int, ...], i: int) -> Factors | None:

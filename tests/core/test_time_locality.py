@@ -193,3 +193,30 @@ def test_flattened_rows_through_a_matmul_keep_batch_and_time_apart():
     ph = [n for n in cap.gm.graph.find_nodes(op="placeholder")][-1]
     b, t = classes.input_labels[ph.name][:2]
     assert classes.canon(b) != classes.canon(t)
+
+
+class _MergedRowsAndVectors(torch.nn.Module):
+    """Merged ``B*T`` rows through ``bmm`` and a matrix-vector product, then a cumsum over T."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8))
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.lin(x.flatten(0, 1)).view(b, t, d)
+        rows = h.flatten(0, 1)
+        y = torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).view(b, t)  # (B*T, 1, 1) -> (B, T)
+        return ((h @ self.w) + y).cumsum(1)  # (B, T, D) @ (D,) -> (B, T)
+
+
+def test_batch_and_time_stay_apart_through_merged_rows_bmm_and_matvec():
+    from gradshard.analysis.dims import analyze_dims
+
+    cap, tl = _analyze(_MergedRowsAndVectors(), torch.randn(3, 11, 8))
+    da = analyze_dims(cap.gm)
+    x = [n for n in cap.gm.graph.nodes if n.op == "placeholder"][-1]
+    b_cls, t_cls = ({da.canon(l) for l in ls} for ls in da.dims_of(x).dims[:2])
+    assert b_cls.isdisjoint(t_cls)
+    assert list(tl.time_inputs.values()) == [1] and tl.seq_len == 11
