@@ -20,7 +20,6 @@ import gc
 import math
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 import gradshard as gs  # noqa: E402
 from examples.models.ssm import SelectiveSSMLM, SSMConfig  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 HEADING = "## Adjoint sharding (issue 3)"
 NOTES = (
@@ -125,14 +127,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_results(text: str, path: Path) -> None:
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    block = f"{HEADING}\n\n{text.strip()}\n\n"
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip() + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", default="1k,4k,16k,64k")
@@ -180,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text)
     if not args.no_write:
-        write_results(text, Path(args.out))
+        write_section(HEADING, text, Path(args.out))
     return 0
 
 

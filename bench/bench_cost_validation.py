@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
@@ -30,6 +31,7 @@ from gradshard.cost import cost, make_step  # noqa: E402
 from gradshard.cost.units import format_bytes, format_flops  # noqa: E402
 from gradshard.cost.validate import VALIDATION_CASES, plan_applies, validate_plan  # noqa: E402
 from gradshard.measure import describe_device  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 SECTION = "## Cost model validation (issue 8)"
 PEAK_TOL, FLOPS_TOL = 0.10, 0.05
@@ -111,9 +113,10 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001
             skipped.append(f"lasp (threaded): FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
     text = _render(rows, skipped, time.perf_counter() - started)
-    print(text)
+    print(f"{SECTION}\n\n{text}")
     if not args.no_write:
-        _write_section(ROOT / "bench" / "RESULTS.md", text)
+        write_section(SECTION, text, ROOT / "bench" / "RESULTS.md")
+        print(f"wrote {ROOT / 'bench' / 'RESULTS.md'} ({SECTION!r})")
 
 
 def _err(p: float, m: float) -> float:
@@ -121,10 +124,9 @@ def _err(p: float, m: float) -> float:
 
 
 def _render(rows: list[dict], skipped: list[str], seconds: float) -> str:
-    lines = [SECTION, ""]
-    lines.append(f"Machine: {describe_device('cpu')}; {platform.platform()}; torch {torch.__version__}; "
-                 f"{datetime.date.today().isoformat()}; sweep took {seconds / 60:.1f} min. No GPU was available "
-                 "to this task, so there is no CUDA-allocator comparison yet.")
+    lines = [f"Machine: {describe_device('cpu')}; {platform.platform()}; torch {torch.__version__}; "
+             f"{datetime.date.today().isoformat()}; sweep took {seconds / 60:.1f} min. No GPU was available "
+             "to this task, so there is no CUDA-allocator comparison yet."]
     lines.append("")
     lines.append("Predicted (``gs.cost``: probes of the compiled plan at small sizes, fitted symbolically) vs. "
                  "measured (``gs.measure`` of a real step of the same compiled plan, batch 2). Tolerances: peak "
@@ -162,17 +164,6 @@ def _render(rows: list[dict], skipped: list[str], seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_section(path: Path, text: str) -> None:
-    """Replace (or append) this benchmark's section of RESULTS.md, leaving the others alone."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = old.find(SECTION)
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
-    path.write_text(new)
-    print(f"wrote {path} ({SECTION!r})")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ from gradshard.runtime.lasp import dkv_label, kv_label, lasp_attention, local_sl
 
 RESULTS = __import__("pathlib").Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## LASP (issue 5)"
+if str(RESULTS.parent) not in sys.path:  # bench/: the shared RESULTS.md writer
+    sys.path.insert(0, str(RESULTS.parent))
+from results_md import write_section  # noqa: E402
 
 
 class Block(nn.Module):
@@ -243,19 +246,6 @@ def _parse_bytes(text: str) -> int:
     return int(float(t))
 
 
-def write_results(body: str) -> None:
-    """Replace (or append) the ``## LASP (issue 5)`` section of bench/RESULTS.md."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    section = f"{SECTION}\n\n{body.rstrip()}\n\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    RESULTS.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048, 8192])
@@ -340,7 +330,7 @@ def _main_compiled(args: argparse.Namespace) -> str:
     body = "\n".join(parts)
     print(body)
     if args.results:
-        write_results(body)
+        write_section(SECTION, body, RESULTS)
     return body
 
 

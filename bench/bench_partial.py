@@ -18,6 +18,15 @@ embeddings, multi-head attention like the paper's GPT-3 XL) with AdamW. Per row,
 - forward/backward FLOPs (``torch.utils.flop_counter`` formulas via ``gs.measure``), checked
   against :func:`gradshard.runtime.partial.predicted_backward_flops_saved`.
 
+With activation recomputation (the paper's setting, section 3.1): every variant again with
+``LlamaConfig(checkpoint_layers=True)`` (``torch.utils.checkpoint`` around each decoder layer).
+``gs.compile`` traces through ``torch.utils.checkpoint`` (make_fx inlines it: the compiled
+graph saves every activation again), so these rows slice the model eagerly with
+:func:`gradshard.runtime.partial.slice_linears` and the same layouts the compiled plan finds
+(checked: identical ``parameter_slices``), as ``examples/train_partial.py`` does without
+``--compile``. The same eager path is measured without recomputation too, and its gradients
+after the first step are compared with the recomputed ones.
+
 Communication: the paper's ring all-reduce estimate ``T_comm = 2 (K-1)/K * M / B`` (no
 latency term: the paper neglects it) for every-step DDP (``M`` = the gradient bytes
 all-reduced by :func:`gradshard.distributed.reduce.reduce_gradients`) and for the DiLoCo
@@ -29,6 +38,7 @@ wall-clock per 1000 steps, with the paper's assumptions: DDP overlaps perfectly
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_partial.py            # full; writes RESULTS.md
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_partial.py --quick    # tiny model, prints only
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_partial.py --no-recompute   # compiled rows only
     .venv/bin/python bench/bench_partial.py --repeat 5 --no-write --json /tmp/p.json
 """
 
@@ -38,7 +48,6 @@ import argparse
 import gc
 import json
 import platform
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -51,17 +60,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "bench"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import gradshard as gs  # noqa: E402
 from examples.models.llama import LlamaConfig, LlamaLM  # noqa: E402
+from examples.train_partial import layouts_for  # noqa: E402
 from gradshard.distributed.comm import CommCounter  # noqa: E402
 from gradshard.distributed.diloco import PartialDiLoCo  # noqa: E402
 from gradshard.distributed.reduce import GRAD_LABEL, reduce_gradients  # noqa: E402
 from gradshard.distributed.testing import run_threaded  # noqa: E402
 from gradshard.measure import describe_device, format_bytes, measure  # noqa: E402
-from gradshard.runtime.partial import SlicedLinear, predicted_backward_flops_saved  # noqa: E402
+from gradshard.runtime.partial import (  # noqa: E402
+    SlicedLinear,
+    parameter_slices,
+    predicted_backward_flops_saved,
+    slice_linears,
+)
+from results_md import write_section  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 JSON_OUT = ROOT / "bench" / "out" / "partial.json"
@@ -93,10 +110,11 @@ class ModelConfig:
     batch: int = 4
     seq_len: int = 256
 
-    def llama(self) -> LlamaConfig:
+    def llama(self, checkpoint_layers: bool = False) -> LlamaConfig:
         return LlamaConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
                            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                           intermediate_size=self.intermediate_size, tie_embeddings=self.tie_embeddings)
+                           intermediate_size=self.intermediate_size, tie_embeddings=self.tie_embeddings,
+                           checkpoint_layers=checkpoint_layers)
 
     def describe(self) -> str:
         return (f"Llama-style LM (`examples.models.llama.LlamaLM`): d_model {self.d_model}, {self.n_layers} "
@@ -130,6 +148,13 @@ class Variant:
         return gs.compile(model, plan="partial_update", num_slices=self.num_slices,
                           slice_index=slice_index, targets=self.targets)
 
+    def slice_eager(self, model: LlamaLM, slice_index: int = 0) -> LlamaLM:
+        """Slice ``model`` in place with :func:`slice_linears` and the layouts the compiled plan
+        finds (MLP up/gate rows + down columns; q/k/v by head groups); full training: as is."""
+        if self.num_slices == 1:
+            return model
+        return slice_linears(model, layouts_for(model.config, self.num_slices, slice_index, set(self.targets)))
+
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("full", "full training", 1),
@@ -149,9 +174,9 @@ PAPER_MEMORY_TARGET = 0.40  # >= 40% less memory for 1/4 MLPs + 1/4 heads
 PAPER_FLOPS_TARGET = 0.15  # ~15% fewer training FLOPs
 
 
-def make_model(cfg: ModelConfig, seed: int = 0) -> LlamaLM:
+def make_model(cfg: ModelConfig, seed: int = 0, recompute: bool = False) -> LlamaLM:
     torch.manual_seed(seed)
-    return LlamaLM(cfg.llama())
+    return LlamaLM(cfg.llama(checkpoint_layers=recompute))
 
 
 def make_batch(cfg: ModelConfig, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,6 +244,9 @@ class RowResult:
     step_seconds_all: tuple[float, ...]
     first_call_seconds: float
     optimizer_tensors: int  # parameters with AdamW state
+    path: str = "compiled"  # "compiled" (gs.compile) or "eager" (slice_linears)
+    recompute: bool = False  # torch.utils.checkpoint around every decoder layer
+    grad_max_abs_diff: float | None = None  # recompute rows: first-step .grad vs the same path without
 
     @property
     def state_bytes(self) -> int:
@@ -237,13 +265,24 @@ class Prepared:
     total_params: int
     tokens: int
     first_call_seconds: float
+    path: str = "compiled"
+    recompute: bool = False
 
 
-def prepare_variant(cfg: ModelConfig, variant: Variant) -> Prepared:
-    """Compile ``variant`` on a fresh (identically seeded) model; one warm-up training step."""
-    model = make_model(cfg)
+def prepare_variant(cfg: ModelConfig, variant: Variant, *, path: str = "compiled",
+                    recompute: bool = False) -> Prepared:
+    """Build ``variant`` on a fresh (identically seeded) model; one warm-up training step.
+
+    ``path="compiled"``: ``gs.compile``; ``path="eager"``: :meth:`Variant.slice_eager`.
+    ``recompute=True`` (eager only) checkpoints every decoder layer."""
+    if path not in ("compiled", "eager"):
+        raise ValueError(f"prepare_variant: path={path!r}; expected 'compiled' or 'eager'")
+    if recompute and path == "compiled":
+        raise ValueError("prepare_variant: recompute=True needs path='eager': gs.compile traces through "
+                         "torch.utils.checkpoint and the compiled graph saves every activation again")
+    model = make_model(cfg, recompute=recompute)
     total_params = sum(p.numel() for p in model.parameters())
-    cm = variant.compile(model)
+    cm = variant.compile(model) if path == "compiled" else variant.slice_eager(model)
     x, y = make_batch(cfg)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -262,7 +301,7 @@ def prepare_variant(cfg: ModelConfig, variant: Variant) -> Prepared:
         return loss.detach()
 
     train_step()  # allocates the gradients and the AdamW state
-    return Prepared(variant, cm, opt, train_step, total_params, x.numel(), first_call)
+    return Prepared(variant, cm, opt, train_step, total_params, x.numel(), first_call, path, recompute)
 
 
 def measure_prepared(p: Prepared) -> RowResult:
@@ -283,7 +322,6 @@ def measure_prepared(p: Prepared) -> RowResult:
         raise RuntimeError(
             f"{variant.key}: resident parameter storage {resident} B != trainable {trainable_bytes} + frozen "
             f"{frozen_bytes} + buffers {other_buffers}; slices are expected to be views of the full weights")
-    # gradshard.measure.measure: importing the submodule above shadows the lazy gs.measure
     m = measure(p.step, repeat=0)
     return RowResult(
         key=variant.key, label=variant.label, num_slices=variant.num_slices, targets=variant.targets,
@@ -295,19 +333,54 @@ def measure_prepared(p: Prepared) -> RowResult:
         forward_flops=m.forward_flops, backward_flops=m.backward_flops, flops=m.flops,
         predicted_backward_saved=predicted_backward_flops_saved(cm, p.tokens) if layers else 0,
         step_seconds=0.0, step_seconds_all=(), first_call_seconds=p.first_call_seconds,
-        optimizer_tensors=len(opt.state),
+        optimizer_tensors=len(opt.state), path=p.path, recompute=p.recompute,
     )
 
 
-def time_interleaved(prepared: Sequence[Prepared], rounds: int) -> dict[str, tuple[float, ...]]:
-    """Wall time of one training step per variant, ``rounds`` interleaved rounds (shared cores)."""
-    times: dict[str, list[float]] = {p.variant.key: [] for p in prepared}
+def time_interleaved(prepared: Sequence[Prepared], rounds: int) -> list[tuple[float, ...]]:
+    """Wall time of one training step of each of ``prepared`` (same order), ``rounds``
+    interleaved rounds (shared cores)."""
+    times: list[list[float]] = [[] for _ in prepared]
     for _ in range(rounds):
-        for p in prepared:
+        for i, p in enumerate(prepared):
             t0 = time.perf_counter()
             p.step()
-            times[p.variant.key].append(time.perf_counter() - t0)
-    return {k: tuple(v) for k, v in times.items()}
+            times[i].append(time.perf_counter() - t0)
+    return [tuple(t) for t in times]
+
+
+def grad_max_abs_diff(a: nn.Module, b: nn.Module) -> float:
+    """Largest ``|a.grad - b.grad|`` over parameters of the same name (both must have the same
+    parameters with gradients)."""
+    ga = {n: p.grad for n, p in a.named_parameters() if p.grad is not None}
+    gb = {n: p.grad for n, p in b.named_parameters() if p.grad is not None}
+    if ga.keys() != gb.keys() or not ga:
+        raise RuntimeError(f"grad_max_abs_diff: different parameters with gradients: "
+                           f"{sorted(ga.keys() ^ gb.keys())[:6]}")
+    return max(float((ga[n] - gb[n]).abs().max()) for n in ga)
+
+
+def probe_compiled_checkpointing(cfg: ModelConfig) -> int:
+    """Activation bytes saved by one forward of ``gs.compile(plan="none")`` on the model with
+    ``checkpoint_layers=True`` (captured with grad enabled, so tracing sees the checkpoints)."""
+    x, y = make_batch(cfg)
+    cm = gs.compile(make_model(cfg, recompute=True), plan="none")
+    lm_loss(cm, x, y).backward()  # capture + compile
+    saved = measure(lambda: lm_loss(cm, x, y).backward(), repeat=0).saved_bytes
+    del cm
+    gc.collect()
+    return saved
+
+
+def check_same_slicing(compiled: nn.Module, eager: nn.Module, variant: Variant) -> None:
+    """The eager layouts slice the same entries of the same weights as the compiled plan."""
+    if variant.num_slices == 1:
+        return
+    want = sorted(compiled.parameter_slices().values())
+    got = sorted(parameter_slices(eager).values())
+    if want != got:
+        raise RuntimeError(f"{variant.key}: slice_linears layouts differ from the compiled plan's slices: "
+                           f"{sorted(set(want) ^ set(got))[:4]}")
 
 
 # --------------------------------------------------------------------------- communication
@@ -461,23 +534,50 @@ def paper_memory_bytes(total_params: int, trainable_params: int) -> int:
 # --------------------------------------------------------------------------- the whole run
 
 
+def _log_row(log: Callable[[str], None], r: RowResult) -> None:
+    tag = f"{r.label}{' [recompute]' if r.recompute else ' [eager]' if r.path == 'eager' else ''}"
+    log(f"{tag:36s} trainable {r.trainable_params:>11,} | grads {format_bytes(r.grad_bytes):>10s} | "
+        f"adam {format_bytes(r.optimizer_bytes):>10s} | act peak {format_bytes(r.activation_peak_bytes):>10s} | "
+        f"per node {format_bytes(r.per_node_bytes):>10s} | bwd {r.backward_flops / 1e9:7.2f} GFLOP | "
+        f"{r.step_seconds:.2f} s/step")
+
+
 def run(cfg: ModelConfig, variants: Sequence[Variant] = VARIANTS, *, repeat: int = 5, comm: bool = True,
-        comm_world: int = 2, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure every variant (and their communication payloads); returns a JSON-able dict."""
+        recompute: bool = True, comm_world: int = 2,
+        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every variant (and their communication payloads); returns a JSON-able dict.
+
+    ``recompute``: also every variant on the eager path with and without activation
+    recomputation (``eager_rows`` / ``recompute_rows``); the recompute rows are timed in the
+    same interleaved rounds as the compiled ones."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if not variants or variants[0].key != "full":
         raise ValueError("run: the first variant must be full training (key 'full'), the reference")
     prepared = [prepare_variant(cfg, v) for v in variants]
     rows = [measure_prepared(p) for p in prepared]
-    timed = time_interleaved(prepared, max(1, repeat))
-    rows = [replace(r, step_seconds=min(timed[r.key]), step_seconds_all=timed[r.key]) for r in rows]
-    del prepared
+    eager_rows: list[RowResult] = []
+    recomputed: list[Prepared] = []
+    rec_rows: list[RowResult] = []
+    compiled_ckpt_saved = None
+    if recompute:
+        compiled_ckpt_saved = probe_compiled_checkpointing(cfg)
+        for v, compiled in zip(variants, prepared):
+            plain = prepare_variant(cfg, v, path="eager")
+            rec = prepare_variant(cfg, v, path="eager", recompute=True)
+            check_same_slicing(compiled.cm, rec.cm, v)
+            diff = grad_max_abs_diff(plain.cm, rec.cm)  # same weights and batch: the first step's .grad
+            eager_rows.append(measure_prepared(plain))
+            rec_rows.append(replace(measure_prepared(rec), grad_max_abs_diff=diff))
+            recomputed.append(rec)
+            del plain
+            gc.collect()
+    timed = time_interleaved(prepared + recomputed, max(1, repeat))
+    rows = [replace(r, step_seconds=min(t), step_seconds_all=t) for r, t in zip(rows, timed)]
+    rec_rows = [replace(r, step_seconds=min(t), step_seconds_all=t) for r, t in zip(rec_rows, timed[len(rows):])]
+    del prepared, recomputed
     gc.collect()
-    for r in rows:
-        log(f"{r.label:24s} trainable {r.trainable_params:>11,} | grads {format_bytes(r.grad_bytes):>10s} | "
-            f"adam {format_bytes(r.optimizer_bytes):>10s} | act peak {format_bytes(r.activation_peak_bytes):>10s} | "
-            f"per node {format_bytes(r.per_node_bytes):>10s} | bwd {r.backward_flops / 1e9:7.2f} GFLOP | "
-            f"{r.step_seconds:.2f} s/step")
+    for r in [*rows, *eager_rows, *rec_rows]:
+        _log_row(log, r)
     comms: list[CommResult] = []
     if comm:
         for v in variants:
@@ -491,6 +591,9 @@ def run(cfg: ModelConfig, variants: Sequence[Variant] = VARIANTS, *, repeat: int
         "config": asdict(cfg),
         "machine": machine(),
         "rows": [asdict(r) | {"state_bytes": r.state_bytes} for r in rows],
+        "eager_rows": [asdict(r) | {"state_bytes": r.state_bytes} for r in eager_rows],
+        "recompute_rows": [asdict(r) | {"state_bytes": r.state_bytes} for r in rec_rows],
+        "compiled_checkpoint_saved_bytes": compiled_ckpt_saved,
         "comm": [asdict(c) for c in comms],
         "comm_world": comm_world,
         "simulation": sim,
@@ -516,9 +619,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def _rows_of(result: dict[str, Any], key: str) -> list[RowResult]:
+    return [RowResult(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in r.items() if k != "state_bytes"})
+            for r in result.get(key) or []]
+
+
 def render(result: dict[str, Any]) -> str:
-    rows = [RowResult(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in r.items() if k != "state_bytes"})
-            for r in result["rows"]]
+    rows = _rows_of(result, "rows")
+    eager_rows, rec_rows = _rows_of(result, "eager_rows"), _rows_of(result, "recompute_rows")
     comms = [CommResult(**c) for c in result["comm"]]
     cfg = ModelConfig(**result["config"])
     full = rows[0]
@@ -526,7 +634,9 @@ def render(result: dict[str, Any]) -> str:
     parts = [f"Machine: {result['machine']}.\n",
              f"Model: {cfg.describe()}. {full.total_params:,} parameters. Each row is the real compiled plan "
              f"(`gs.compile(model, plan=\"partial_update\", num_slices=N, slice_index=0, targets=...)`; full "
-             f"training: `plan=\"none\"`) from the same initial weights.\n"]
+             f"training: `plan=\"none\"`) from the same initial weights"
+             + (", except the rows with activation recomputation (eager slicing, see there)" if rec_rows else "")
+             + ".\n"]
 
     parts.append("### Per-node memory (measured, MiB)\n")
     parts.append(
@@ -534,7 +644,8 @@ def render(result: dict[str, Any]) -> str:
         "slices are views of the full weights, nothing is duplicated). Gradients: the `.grad` tensors after a "
         "backward. AdamW: the tensors in `optimizer.state` after `step()`. Activation peak: `gs.measure` of one "
         "training step (zero_grad keeping `.grad`, forward, cross-entropy, backward, `optimizer.step()`), bytes "
-        "allocated during the step above all of the former. Per node = the sum. No activation recomputation.\n")
+        "allocated during the step above all of the former. Per node = the sum. No activation recomputation "
+        "(with recomputation: below).\n")
     lines = ["| variant | trainable params | params: trainable + frozen | grads | AdamW state | activation peak "
              "| per node | per node vs full | params+grads+AdamW vs full |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -568,15 +679,109 @@ def render(result: dict[str, Any]) -> str:
                  f"from other jobs on the shared cores hits all variants alike. The minima still vary by ~15% between runs "
                  f"on this shared machine; the FLOP counts are exact and reproducible.\n")
 
-    parts.append(_paper_comparison(rows, tokens))
+    if rec_rows:
+        parts.append(_recompute_section(rows, eager_rows, rec_rows, cfg, result.get("compiled_checkpoint_saved_bytes")))
+    parts.append(_paper_comparison(rows, tokens, rec_rows))
     if comms:
         parts.append(_comm_section(result, rows, comms))
     return "\n".join(parts)
 
 
-def _paper_comparison(rows: Sequence[RowResult], tokens: int) -> str:
+def _recompute_section(rows: Sequence[RowResult], eager: Sequence[RowResult], rec: Sequence[RowResult],
+                       cfg: ModelConfig, compiled_ckpt_saved: int | None = None) -> str:
+    """Tables of the eager rows with and without activation recomputation."""
+    compiled = {r.key: r for r in rows}
+    plain = {r.key: r for r in eager}
+    full_p, full_r = plain["full"], rec[0]
+    parts = ["### With activation recomputation (the paper's setting; measured, MiB)\n"]
+    drift = max(abs(plain[r.key].per_node_bytes - compiled[r.key].per_node_bytes) for r in rec if r.key in compiled)
+    diffs = [r.grad_max_abs_diff for r in rec if r.grad_max_abs_diff is not None]
+    worst = max(diffs) if diffs else None
+    grads = ("bit-identical in every row (max |difference| 0)" if worst == 0 else
+             f"max |difference| {worst:.3g}" if worst is not None else "not compared")
+    if compiled_ckpt_saved is None:
+        probe = "(not probed in this run)"
+    else:
+        same = "the same as" if compiled_ckpt_saved == compiled["full"].saved_bytes else "vs"
+        probe = (f"(measured: `gs.compile(plan=\"none\")` of the model with `checkpoint_layers=True` saves "
+                    f"{_mib(compiled_ckpt_saved)} MiB for backward, {same} {_mib(compiled['full'].saved_bytes)} MiB "
+                    f"without checkpointing; eager with checkpointing: {_mib(full_r.saved_bytes)} MiB)")
+    parts.append(
+        "Every variant again with `LlamaConfig(checkpoint_layers=True)`: non-reentrant `torch.utils.checkpoint` "
+        "around each decoder layer, so the forward keeps only each layer's input and the backward recomputes one "
+        "layer at a time (the paper trains with full activation recomputation, section 3.1). `gs.compile` does not "
+        "keep this: make_fx traces through `torch.utils.checkpoint`, so the compiled graph saves every activation "
+        f"again {probe}. These rows therefore slice the model eagerly, `gradshard.runtime.partial.slice_linears` with the layouts of "
+        "`examples/train_partial.py` (as it does without `--compile`); every row checks that the eager slices are "
+        "the compiled plan's (`parameter_slices` identical). 'no recompute' is the same eager path without "
+        f"checkpointing: its per-node memory is within {_mib(drift)} MiB of the compiled rows above. Gradients "
+        f"after the first step (same weights, same batch), with vs without recomputation: {grads}.\n")
+    lines = ["| variant | params: trainable + frozen | grads | AdamW state | activation peak: no recompute "
+             "| activation peak: recompute | per node: no recompute | per node: recompute "
+             "| per node vs full: no recompute | per node vs full: recompute |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rec:
+        p = plain[r.key]
+        lines.append(
+            f"| {r.label} | {_mib(r.trainable_bytes)} + {_mib(r.frozen_bytes)} | {_mib(r.grad_bytes)} | "
+            f"{_mib(r.optimizer_bytes)} | {_mib(p.activation_peak_bytes)} | {_mib(r.activation_peak_bytes)} | "
+            f"{_mib(p.per_node_bytes)} | {_mib(r.per_node_bytes)} | {_pct(p.per_node_bytes, full_p.per_node_bytes)} | "
+            f"**{_pct(r.per_node_bytes, full_r.per_node_bytes)}** |")
+    parts.append("\n".join(lines) + "\n")
+    parts.append(
+        f"Full training, recompute: activations saved by the forward {_mib(full_r.saved_bytes)} MiB (without: "
+        f"{_mib(full_p.saved_bytes)} MiB); the activation peak is reached at `{full_r.peak_op}` ({full_r.peak_phase})"
+        + (", the same bytes in every row" if len({r.activation_peak_bytes for r in rec}) == 1 else "") + ". "
+        f"Parameters, gradients and AdamW state are the same bytes with and without recomputation.\n")
+
+    parts.append("FLOPs per training step with recomputation (measured). `gs.measure` counts the recomputed "
+                 "forward inside the backward (the autograd engine runs it); 'recompute' = backward with "
+                 "recomputation - backward of the same eager row without.\n")
+    lines = ["| variant | forward GFLOP | recompute GFLOP | backward GFLOP (excl. recompute) | total GFLOP "
+             "| total vs full (both recompute) | total vs same variant without recompute "
+             "| backward saved excl. recompute = predicted | step time: recompute | step time: compiled, no recompute |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    again_full = full_r.backward_flops - full_p.backward_flops
+    down_gemms = 2 * cfg.batch * cfg.seq_len * cfg.intermediate_size * cfg.d_model * cfg.n_layers
+    extra: list[str] = []
+    for r in rec:
+        p = plain[r.key]
+        again = r.backward_flops - p.backward_flops
+        saved = full_p.backward_flops - p.backward_flops  # the backward proper, recompute excluded
+        ok = "yes" if saved == r.predicted_backward_saved else f"no ({saved - r.predicted_backward_saved:+,})"
+        c = compiled.get(r.key)
+        lines.append(
+            f"| {r.label} | {r.forward_flops / 1e9:.2f} | {again / 1e9:.2f} | {p.backward_flops / 1e9:.2f} | "
+            f"{r.flops / 1e9:.2f} | {_pct(r.flops, full_r.flops)} | +{100 * (r.flops / p.flops - 1):.1f}% | {ok} | "
+            f"{r.step_seconds:.2f} s | {f'{c.step_seconds:.2f} s' if c else '-'} |")
+        if "mlp" in r.targets:
+            extra.append("equal" if again - again_full == down_gemms else f"{r.label}: {again - again_full:,}")
+    parts.append("\n".join(lines) + "\n")
+    note = ("Step times: the recompute rows run in the same interleaved timing rounds as the compiled rows "
+            "(minimum of each). Recomputation adds the layers' forward again to every row (slicing changes only "
+            "weight gradients, not the forward), so it dilutes the relative FLOP saving")
+    if extra:
+        same = all(e == "equal" for e in extra)
+        note += (
+            f"; the rows with sliced MLPs even recompute more than full training: "
+            + (f"{down_gemms / 1e9:.3g} GFLOP more in every such row" if same else
+               f"expected {down_gemms / 1e9:.3g} GFLOP more, measured: " + ", ".join(extra))
+            + f", exactly 2 x tokens x d_model x hidden x layers, one MLP down-projection GEMM per layer. Torch's "
+            f"non-reentrant checkpoint stops a layer's recomputation as soon as every tensor its backward needs "
+            f"is back (early stop, the default), which skips the layer's last GEMM, the down projection, for an "
+            f"`nn.Linear`; a `SlicedLinear` is a custom `autograd.Function`, whose saved tensors are packed only "
+            f"after its forward has run, so the recomputation runs the sliced down projection's GEMMs too "
+            f"(`tests/test_bench_partial.py` checks both: with `torch.utils.checkpoint.set_checkpoint_early_stop(False)` "
+            f"full training recomputes the same FLOPs as the sliced rows)")
+    parts.append(note + ".\n")
+    return "\n".join(parts)
+
+
+def _paper_comparison(rows: Sequence[RowResult], tokens: int, rec: Sequence[RowResult] = ()) -> str:
     full = rows[0]
     by_key = {r.key: r for r in rows}
+    rec_by = {r.key: r for r in rec}
+    full_rec = rec_by.get("full")
     ref_flops = paper_step_flops(1.0, 1.0)
     rho = {"full": (1, 1), "mlp_1_2": (1 / 2, 1), "mlp_1_4": (1 / 4, 1), "mlp_1_8": (1 / 8, 1),
            "mlp_heads_1_4": (1 / 4, 1 / 4)}
@@ -584,9 +789,11 @@ def _paper_comparison(rows: Sequence[RowResult], tokens: int) -> str:
                "mlp_heads_1_4": (4, True)}
     xl_total = paper_trainable_params(2048, 24, 32000, 8192, 1, False)
     lines = ["| variant | paper: trainable (B) | our rule on GPT-3 XL (B) | paper: memory vs full | "
-             "paper accounting, our model | measured per node (ours) | measured params+grads+AdamW | "
-             "Appendix C FLOPs/step vs full (paper config) | measured FLOPs/step vs full (ours) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "paper accounting, our model | measured per node (ours) "
+             + ("| measured per node, recompute (ours) " if rec_by else "")
+             + "| measured params+grads+AdamW | Appendix C FLOPs/step vs full (paper config) "
+             "| measured FLOPs/step vs full (ours) " + ("| measured FLOPs/step vs full, recompute (ours) " if rec_by else "")
+             + "|", "|---|" + "---:|" * (10 if rec_by else 8)]
     for key, (mem, trainable) in PAPER_TABLE1.items():
         r = by_key.get(key)
         if r is None:
@@ -595,11 +802,15 @@ def _paper_comparison(rows: Sequence[RowResult], tokens: int) -> str:
         ours_xl = paper_trainable_params(2048, 24, 32000, 8192, n, heads) / 1e9
         acc = paper_memory_bytes(r.total_params, r.trainable_params)
         acc_full = paper_memory_bytes(full.total_params, full.trainable_params)
+        rr = rec_by.get(key)
+        rec_mem = (f"{_pct(rr.per_node_bytes, full_rec.per_node_bytes)} | " if rr and full_rec else
+                   "- | " if rec_by else "")
+        rec_flops = (f" {_pct(rr.flops, full_rec.flops)} |" if rr and full_rec else " - |" if rec_by else "")
         lines.append(
             f"| {r.label} | {trainable:.2f} | {ours_xl:.3f} | {_pct(mem, PAPER_TABLE1['full'][0])} | "
-            f"{_pct(acc, acc_full)} | {_pct(r.per_node_bytes, full.per_node_bytes)} | "
+            f"{_pct(acc, acc_full)} | {_pct(r.per_node_bytes, full.per_node_bytes)} | {rec_mem}"
             f"{_pct(r.state_bytes, full.state_bytes)} | {_pct(paper_step_flops(*rho[key]), ref_flops)} | "
-            f"{_pct(r.flops, full.flops)} |")
+            f"{_pct(r.flops, full.flops)} |{rec_flops}")
     target = by_key.get("mlp_heads_1_4")
     verdict = ""
     if target is not None:
@@ -609,23 +820,38 @@ def _paper_comparison(rows: Sequence[RowResult], tokens: int) -> str:
             full.total_params, full.trainable_params)
         flop_cut = 1 - target.flops / full.flops
         yes = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+        tr = rec_by.get("mlp_heads_1_4")
+        like = ""
+        if tr is not None and full_rec is not None:
+            rec_cut = 1 - tr.per_node_bytes / full_rec.per_node_bytes
+            rec_flop_cut = 1 - tr.flops / full_rec.flops
+            like = (f" Measured like for like, with activation recomputation (the paper's setting): per-node memory "
+                    f"**{rec_cut:.1%} less ({yes(rec_cut >= PAPER_MEMORY_TARGET)})** "
+                    f"({_mib(tr.per_node_bytes)} vs {_mib(full_rec.per_node_bytes)} MiB).")
         verdict = (
-            f"\nTargets for 1/4 MLPs + 1/4 heads. Memory >= {PAPER_MEMORY_TARGET:.0%} less: measured per-node "
-            f"memory {mem_cut:.1%} less ({yes(mem_cut >= PAPER_MEMORY_TARGET)}); parameters + gradients + AdamW "
-            f"state {state_cut:.1%} less ({yes(state_cut >= PAPER_MEMORY_TARGET)}); the paper's accounting applied "
-            f"to our parameter counts {acc_cut:.1%} less ({yes(acc_cut >= PAPER_MEMORY_TARGET)}). Training FLOPs "
-            f"about {PAPER_FLOPS_TARGET:.0%} fewer: measured {flop_cut:.1%} fewer per step "
-            f"({yes(flop_cut >= PAPER_FLOPS_TARGET)}).")
+            f"\nTargets for 1/4 MLPs + 1/4 heads. Memory >= {PAPER_MEMORY_TARGET:.0%} less.{like} Without "
+            f"recomputation: measured per-node memory {mem_cut:.1%} less ({yes(mem_cut >= PAPER_MEMORY_TARGET)}); "
+            f"parameters + gradients + AdamW state {state_cut:.1%} less ({yes(state_cut >= PAPER_MEMORY_TARGET)}); "
+            f"the paper's accounting applied to our parameter counts {acc_cut:.1%} less "
+            f"({yes(acc_cut >= PAPER_MEMORY_TARGET)}). Training FLOPs about {PAPER_FLOPS_TARGET:.0%} fewer: measured "
+            f"{flop_cut:.1%} fewer per step without recomputation ({yes(flop_cut >= PAPER_FLOPS_TARGET)})"
+            + (f", {rec_flop_cut:.1%} fewer with it ({yes(rec_flop_cut >= PAPER_FLOPS_TARGET)}: the recomputed "
+               f"forward, which slicing does not shrink, is added to every row; the paper's Appendix C counts no "
+               f"recomputation)" if like else "") + ".")
         # activations at which the measured per-node saving would reach the target (same state bytes)
         budget = (full.state_bytes - target.state_bytes) / PAPER_MEMORY_TARGET - full.state_bytes
         per_token = full.activation_peak_bytes / tokens
         verdict += (
-            f" The measured per-node saving misses the target only through the activations: "
-            f"{_mib(full.activation_peak_bytes)} MiB at this batch ({100 * full.activation_peak_bytes / full.per_node_bytes:.0f}% "
-            f"of full training's per-node memory, identical in every row). With the same parameter, gradient and "
-            f"AdamW bytes, >= {PAPER_MEMORY_TARGET:.0%} would need an activation peak <= {_mib(max(0, budget))} MiB "
-            f"(~{max(0, budget) / per_token:,.0f} tokens per step at the measured {per_token / 1024:.0f} KiB/token), "
-            f"or activation recomputation as in the paper.\n")
+            f" Without recomputation the activations decide: {_mib(full.activation_peak_bytes)} MiB at this batch "
+            f"({100 * full.activation_peak_bytes / full.per_node_bytes:.0f}% of full training's per-node memory, "
+            f"identical in every row). With the same parameter, gradient and AdamW bytes, >= "
+            f"{PAPER_MEMORY_TARGET:.0%} needs an activation peak <= {_mib(max(0, budget))} MiB "
+            f"(~{max(0, budget) / per_token:,.0f} tokens per step at the measured {per_token / 1024:.0f} KiB/token)")
+        if like:
+            verdict += (f"; recomputation brings it to {_mib(full_rec.activation_peak_bytes)} MiB (full training) and "
+                        f"{_mib(tr.activation_peak_bytes)} MiB (1/4 MLPs + 1/4 heads).\n")
+        else:
+            verdict += ", or activation recomputation as in the paper.\n"
     why = (
         "\nWhy the numbers differ from the paper's, and by how much:\n"
         "- Memory accounting. The paper (section 3.1) trains in bf16 with *full activation recomputation*, "
@@ -633,12 +859,13 @@ def _paper_comparison(rows: Sequence[RowResult], tokens: int) -> str:
         "weights for all parameters (4 B), bf16 gradients (2 B) and fp32 Adam moments (8 B) for the trainable "
         "ones. Its Table 1 is fit by 4.5 B/parameter (1.27B) + 10.5 B per trainable parameter (its own column) to "
         "within 0.06 GB. Our "
-        "measurement is fp32 without recomputation: gradients cost 4 B, and the activations (the same for every "
-        "row, because the forward and the input gradients are unchanged) are counted. They dilute the relative "
-        "saving of the measured per-node total; the parameters + gradients + AdamW column is the like-for-like "
-        "comparison with the paper, and the 'paper accounting' column applies the paper's byte sizes to our "
-        "measured parameter counts. How large the activation share is depends on batch x sequence length "
-        "(here it is chosen so that a step takes a few seconds on this CPU).\n"
+        "measurement is fp32, so gradients cost 4 B, and the activation peak is counted: without recomputation "
+        "the activations (the same for every row, because the forward and the input gradients are unchanged) "
+        "dilute the relative saving of the per-node total; how large their share is depends on batch x sequence "
+        "length (here chosen so that a step takes a few seconds on this CPU). With recomputation what remains "
+        "is each layer's input, one layer's recomputed activations and the LM head's logits and their gradient. "
+        "The parameters + gradients + AdamW column is what the paper's accounting covers, and the 'paper "
+        "accounting' column applies the paper's byte sizes to our measured parameter counts.\n"
         "- Trainable fraction. The paper's model ties embeddings and has a 2-matrix 4d GELU MLP; ours a SwiGLU "
         "MLP with the same parameter count per layer and tied embeddings of a smaller share (vocab 2048 x 512 "
         "is 4% of our parameters; 32000 x 2048 is 5% of GPT-3 XL), so slightly more of our model is sliceable. "
@@ -646,7 +873,7 @@ def _paper_comparison(rows: Sequence[RowResult], tokens: int) -> str:
         "- FLOPs. The paper's '15% fewer' is total FLOPs of *performance-matched* runs (the sliced runs need "
         "more tokens, e.g. 28B instead of 26B for the heads variants), not a per-step figure. Per step, its own "
         "Appendix C formulas give the 'Appendix C' column for GPT-3 XL (B=16, S=1024); our measured per-step "
-        "reduction is the last column. Per step is what a benchmark can measure; the token overhead is a "
+        "reductions are the 'measured FLOPs/step' columns. Per step is what a benchmark can measure; the token overhead is a "
         "training-quality question this benchmark does not answer.\n")
     return ("### Against the paper's Table 1 (reductions vs full training)\n\n"
             + "\n".join(lines) + "\n" + verdict + why)
@@ -744,18 +971,6 @@ def _sim_table(sim: Sequence[dict[str, Any]], rows: Sequence[RowResult]) -> list
     return lines
 
 
-# --------------------------------------------------------------------------- RESULTS.md
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace (or append) the ``HEADING`` section of ``path``; other sections are kept."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    block = f"{HEADING}\n\n{text.strip()}\n\n"
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip() + "\n\n" + block
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -767,6 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(v.key for v in VARIANTS),
                    help="comma-separated subset of " + ", ".join(v.key for v in VARIANTS) + " (full is always run)")
     p.add_argument("--no-comm", action="store_true", help="skip the communication payload runs and the time model")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="skip the rows with activation recomputation (and the eager rows without it)")
     p.add_argument("--no-write", action="store_true", help="do not write bench/RESULTS.md")
     p.add_argument("--json", default=None, help=f"JSON output path (default {JSON_OUT.relative_to(ROOT)}; "
                                                 "none with --quick)")
@@ -778,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
         text = render(result) + f"\nCommand: `{result.get('command', '?')}` ({result['wall_seconds'] / 60:.1f} min).\n"
         print(text)
         if not args.no_write:
-            write_section(text)
+            write_section(HEADING, text, RESULTS)
         return 0
     cfg = QUICK if args.quick else FULL
     if args.batch:
@@ -791,7 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variant(s) {sorted(unknown)}; choose from {[v.key for v in VARIANTS]}")
     variants = [v for v in VARIANTS if v.key in wanted]
     t0 = time.perf_counter()
-    result = run(cfg, variants, repeat=args.repeat, comm=not args.no_comm)
+    result = run(cfg, variants, repeat=args.repeat, comm=not args.no_comm, recompute=not args.no_recompute)
     result["wall_seconds"] = time.perf_counter() - t0
     text = render(result)
     command = "OMP_NUM_THREADS=1 .venv/bin/python bench/bench_partial.py" + (
@@ -804,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1, default=str))
     if not args.quick and not args.no_write:
-        write_section(text)
+        write_section(HEADING, text, RESULTS)
     return 0
 
 

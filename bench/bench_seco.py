@@ -34,10 +34,12 @@ import torch.utils.checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import gradshard as gs  # noqa: E402
 from examples.factories import llama_loss  # noqa: E402
 from gradshard.measure import describe_device, measure  # noqa: E402
+from results_md import write_subsection  # noqa: E402
 
 SECTION = "## SeCO / SpaCO (issue 4)"
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -53,33 +55,10 @@ def machine() -> str:
             "times are minima over interleaved rounds and ratios are more reliable than seconds")
 
 
-def write_section(sub: str, body: str) -> None:
-    """Replace subsection ``### sub`` of this issue's section in bench/RESULTS.md (create it if missing)."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    head = f"{SECTION}\n\nMachine: {machine()}.\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        end = text.find("\n## ", start + len(SECTION))
-        end = len(text) if end < 0 else end + 1
-        section = text[start:end]
-    else:
-        start = end = len(text)
-        section = head
-        text = text.rstrip("\n") + "\n\n"
-        start = end = len(text)
-    lines = section.split("\n")
-    lines[2] = f"Machine: {machine()}." if len(lines) > 2 and lines[2].startswith("Machine:") else lines[2] if len(lines) > 2 else ""
-    section = "\n".join(lines)
-    marker = f"### {sub}"
-    block = f"{marker}\n\n{body.strip()}\n\n"
-    if marker in section:
-        a = section.index(marker)
-        b = section.find("\n### ", a + len(marker))
-        b = len(section) if b < 0 else b + 1
-        section = section[:a] + block + section[b:]
-    else:
-        section = section.rstrip("\n") + "\n\n" + block
-    RESULTS.write_text(text[:start] + section + text[end:])
+def write_seco_subsection(sub: str, body: str) -> None:
+    """Replace subsection ``### sub`` of this issue's section in bench/RESULTS.md (create it if
+    missing); the section's 'Machine:' line is refreshed."""
+    write_subsection(SECTION, sub, body, RESULTS, intro=f"Machine: {machine()}.")
 
 
 # --------------------------------------------------------------------------- configurations
@@ -234,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             "grow only with the KV cache (the cache itself, its cotangent buffer, and the transient gradient "
             "of the cached prefix inside one chunk's backward: about 3x the cache per token). `forward` is a "
             "no-grad forward of the same model.")
-    write_section("Memory and time vs. sequence length (bench/bench_seco.py)", body)
+    write_seco_subsection("Memory and time vs. sequence length (bench/bench_seco.py)", body)
     print(table(rows))
     return 0
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gradshard as gs  # noqa: E402
-from bench_seco import write_section  # noqa: E402
+from bench_seco import write_seco_subsection  # noqa: E402
 from examples.data import iterate_batches, load_corpus  # noqa: E402
 from examples.factories import llama_cross_entropy, llama_loss  # noqa: E402
 from examples.models.llama import LlamaConfig, LlamaLM  # noqa: E402
@@ -227,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
             f"the per-chunk overhead of {k} small chunks dominates (see the table above for the "
             "long-sequence speed of SpaCO).\n\n" + table + "\n\n"
             + (f"Plot: `bench/{png.name}`.\n" if made else "(matplotlib not installed: no plot.)\n"))
-    write_section("SpaCO learning curves (bench/bench_spaco_learning.py)", body)
+    write_seco_subsection("SpaCO learning curves (bench/bench_spaco_learning.py)", body)
     if bias:
-        write_section("SpaCO bias, computed exactly (bench/bench_spaco_learning.py)",
-                      "Tiny Llama (float64), k = 6 chunks; the expectation over every selection outcome "
-                      "with its probability, against the exact gradient. Bernoulli sampling is unbiased to "
-                      "rounding; the paper's fixed t-of-k selection is biased because paths through p "
-                      "chunks survive with probability C(k-p, t-p)/C(k, t), not (t/k)^p; a cap on the "
-                      "compensation shrinks every term that needs a larger factor.\n\n" + bias)
+        write_seco_subsection("SpaCO bias, computed exactly (bench/bench_spaco_learning.py)",
+                           "Tiny Llama (float64), k = 6 chunks; the expectation over every selection outcome "
+                           "with its probability, against the exact gradient. Bernoulli sampling is unbiased to "
+                           "rounding; the paper's fixed t-of-k selection is biased because paths through p "
+                           "chunks survive with probability C(k-p, t-p)/C(k, t), not (t/k)^p; a cap on the "
+                           "compensation shrinks every term that needs a larger factor.\n\n" + bias)
     return 0
 
 

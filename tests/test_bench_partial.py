@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import gradshard as gs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,8 +110,97 @@ def test_report_section_replaces_only_its_own_section(result: dict, tmp_path: Pa
     assert "1/4 MLPs + 1/4 heads" in text and "Simulated wall-clock" in text
     path = tmp_path / "RESULTS.md"
     path.write_text(f"# Benchmark results\n\n## Other (issue 1)\n\nkeep me\n\n{bp.HEADING}\n\nold\n\n## Last\n\nx\n")
-    bp.write_section(text, path)
-    bp.write_section(text, path)
+    bp.write_section(bp.HEADING, text, path)
+    bp.write_section(bp.HEADING, text, path)
     out = path.read_text()
     assert "keep me" in out and "## Last\n\nx" in out and "\nold\n" not in out
     assert out.count(bp.HEADING) == 1
+
+
+def test_recomputation_increases_the_per_node_reduction(result: dict) -> None:
+    plain = {r["key"]: r for r in result["eager_rows"]}
+    rec = {r["key"]: r for r in result["recompute_rows"]}
+    compiled = _rows(result)
+    assert plain.keys() == rec.keys() == compiled.keys()
+    for key, r in rec.items():
+        p, c = plain[key], compiled[key]
+        assert r["recompute"] and not p["recompute"] and r["path"] == p["path"] == "eager"
+        # the same slices (checked against the compiled plan in run), the same state bytes
+        for f in ("trainable_params", "grad_bytes", "optimizer_bytes", "resident_param_bytes"):
+            assert r[f] == p[f] == c[f], (key, f)
+        # the eager path without recomputation measures what the compiled plan measures
+        assert p["per_node_bytes"] == c["per_node_bytes"] and p["flops"] == c["flops"]
+        # recomputation: fewer saved activations, a lower peak, the same gradients, more backward FLOPs
+        assert r["saved_bytes"] < p["saved_bytes"] and r["activation_peak_bytes"] < p["activation_peak_bytes"]
+        assert r["grad_max_abs_diff"] == 0.0
+        assert r["forward_flops"] == p["forward_flops"] and r["backward_flops"] > p["backward_flops"]
+
+    def cut(rows: dict, key: str) -> float:
+        return 1 - rows[key]["per_node_bytes"] / rows["full"]["per_node_bytes"]
+
+    for key in ("mlp_1_4", "mlp_heads_1_4"):
+        assert cut(rec, key) > cut(plain, key) > 0, key
+    # a compiled model traces through torch.utils.checkpoint: it saves every activation again
+    assert result["compiled_checkpoint_saved_bytes"] == compiled["full"]["saved_bytes"] > rec["full"]["saved_bytes"]
+    text = bp.render(result)
+    assert "With activation recomputation" in text and "Measured like for like" in text
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("key", ["full", "mlp_1_4", "mlp_heads_1_4"])
+def test_checkpoint_layers_leaves_gradients_unchanged(key: str) -> None:
+    """float64: sliced + recomputed gradients equal autograd's on the unsliced model (slices narrowed)."""
+    variant = next(v for v in bp.VARIANTS if v.key == key)
+    x, y = bp.make_batch(TINY)
+    ref = bp.make_model(TINY).double()
+    bp.lm_loss(ref, x, y).backward()
+    full_grads = _grads(ref)
+    saved = {}
+    for recompute in (False, True):
+        want = dict(full_grads)
+        model = variant.slice_eager(bp.make_model(TINY, recompute=recompute).double())
+        assert model.config.checkpoint_layers is recompute
+        saved[recompute] = gs.measure(lambda: bp.lm_loss(model, x, y).backward(), repeat=0).saved_bytes
+        got = _grads(model)
+        layers = bp._sliced_layers(model)
+        assert len(layers) == {"full": 0, "mlp_1_4": 3 * TINY.n_layers, "mlp_heads_1_4": 6 * TINY.n_layers}[key]
+        for layer in layers:  # the trainable slice's gradient is that entry range of the full gradient
+            lo, hi = layer.layout.trainable_span
+            got[layer.weight_name] = got.pop(next(n for n, p in model.named_parameters() if p is layer.weight_slice))
+            want_w = want[layer.weight_name].narrow(layer.layout.dim, lo, hi - lo)
+            assert got[layer.weight_name].shape == want_w.shape
+            want[layer.weight_name] = want_w
+        assert got.keys() == want.keys()
+        for n, g in got.items():
+            err = float((g - want[n]).abs().max() / want[n].abs().max())
+            assert err <= 1e-10, (key, recompute, n, err)
+    assert saved[True] < saved[False]  # the flag really checkpoints (gradients are measured twice above)
+
+
+def test_prepare_variant_refuses_recompute_on_the_compiled_path() -> None:
+    with pytest.raises(ValueError, match="path='eager'"):
+        bp.prepare_variant(TINY, bp.VARIANTS[0], recompute=True)
+
+
+def test_sliced_mlps_recompute_their_down_projection() -> None:
+    """Checkpoint early stop skips a layer's last GEMM (MLP down) for nn.Linear, not for a SlicedLinear."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    x, y = bp.make_batch(TINY)
+    down = 2 * x.numel() * TINY.d_model * TINY.intermediate_size * TINY.n_layers
+
+    def recompute_flops(key: str) -> int:
+        variant = next(v for v in bp.VARIANTS if v.key == key)
+        bwd = {}
+        for recompute in (False, True):
+            model = variant.slice_eager(bp.make_model(TINY, recompute=recompute))
+            bwd[recompute] = gs.measure(lambda: bp.lm_loss(model, x, y).backward(), repeat=0).backward_flops
+        return bwd[True] - bwd[False]
+
+    full, sliced = recompute_flops("full"), recompute_flops("mlp_1_4")
+    assert sliced - full == down > 0
+    with set_checkpoint_early_stop(False):
+        assert recompute_flops("full") == recompute_flops("mlp_1_4") == sliced

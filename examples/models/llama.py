@@ -5,6 +5,10 @@ grouped-query attention (``repeat_kv`` with expand + reshape, or ``repeat_interl
 a SwiGLU MLP, and either ``F.scaled_dot_product_attention(is_causal=True)`` or the explicit
 ``softmax(q @ k^T * scale + causal_mask) @ v`` (``LlamaConfig.attention``).
 
+``LlamaConfig.checkpoint_layers=True`` recomputes every decoder layer in the backward
+(``torch.utils.checkpoint``, non-reentrant), as Hugging Face's gradient checkpointing does:
+only each layer's input is saved in the forward; gradients are unchanged.
+
 :class:`LlamaLM` returns logits; :class:`LlamaForCausalLM` (same parameters) returns a
 :class:`CausalLMOutput` and computes the shifted next-token loss when ``labels`` are given.
 """
@@ -17,6 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from examples.models.layers import RMSNorm, SwiGLU
 
@@ -39,6 +44,9 @@ class LlamaConfig:
     attention: AttentionKind = "sdpa"
     kv_repeat: KVRepeatKind = "expand"
     tie_embeddings: bool = False
+    # Activation recomputation: keep only each decoder layer's input, recompute the layer in
+    # the backward (torch.utils.checkpoint, non-reentrant). Active while grad is enabled.
+    checkpoint_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -182,8 +190,9 @@ class LlamaLM(nn.Module):
             position_ids = default_position_ids(input_ids)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids)
+        recompute = self.config.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
