@@ -232,6 +232,9 @@ class CompiledModule(nn.Module):
         spec = get_plan(e.plan)
         lines = [f"gradshard plan {e.plan!r} ({spec.gradient}); options: {e.options}"]
         lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
+        substituted = e.captured.gm.meta.get("gs_substituted") if e.captured else None
+        if substituted:
+            lines.append(f"substituted traceable twins for: {', '.join(substituted)}")
         lines.append(f"regions ({len(e.regions)}):")
         lines += [f"  - {r.describe()}" for r in e.regions] or ["  (none)"]
         lines.append("passes:")

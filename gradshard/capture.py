@@ -37,6 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
 from .errors import CaptureError
+from .substitutions import substitute_known_kernels
 
 __all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key"]
 
@@ -278,8 +279,19 @@ def capture(
     *,
     frontend: str = "python",
 ) -> Captured:
-    """Capture ``target(*args, **kwargs)`` into one aten-level graph (see module doc)."""
-    kwargs = kwargs or {}
+    """Capture ``target(*args, **kwargs)`` into one aten-level graph (see module doc).
+
+    Known third-party kernels that cannot be traced (mamba_ssm's ``selective_scan_fn``) are
+    replaced by traceable twins while capturing (:mod:`gradshard.substitutions`); the graph
+    records which in ``gm.meta["gs_substituted"]``.
+    """
+    with substitute_known_kernels() as substituted:
+        captured = _capture(target, args, kwargs or {}, frontend)
+    captured.gm.meta["gs_substituted"] = tuple(substituted)
+    return captured
+
+
+def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, frontend: str) -> Captured:
     if frontend not in FRONTENDS:
         raise ValueError(f"unknown frontend {frontend!r}; choose one of {FRONTENDS}")
     modules = _find_modules(target, args, kwargs)

@@ -65,6 +65,13 @@ class PartialUpdateOptions:
     slice_index: int | None = None
     targets: tuple[str, ...] = ("mlp", "attention")
 
+    def __post_init__(self) -> None:
+        # targets="mlp" means ("mlp",), not the letters ('m', 'l', 'p')
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        elif isinstance(self.targets, list):
+            object.__setattr__(self, "targets", tuple(self.targets))
+
 
 # --------------------------------------------------------------------------- specs
 

@@ -20,9 +20,10 @@ log-space cumsum               ``exp(L) * cumsum(u * exp(-L))`` or ``cumsum(u / 
 Not recognised (left to autograd and reported as ``time_mixer`` regions): Mamba-2 ``segsum``
 / SSD chunked forms (a decay *matrix* ``exp(segsum(log a))`` times ``C B^T``; this is linear
 attention with decay, not a scan over a state), ``logcumsumexp`` forms, a bare ``cumprod``.
-``torch.ops.higher_order.associative_scan`` nodes (the pointwise mode, CUDA) and mamba_ssm's
-``selective_scan_fn`` have detection hooks below that are **untested** here (no CUDA, no
-mamba_ssm in this environment).
+``torch.ops.higher_order.associative_scan`` nodes (the pointwise mode, CUDA) have a detection
+hook below that is **untested** here (no CUDA). mamba_ssm's ``selective_scan_fn`` never reaches
+this pass: capture swaps it for a twin written with ``gs.kernels.linear_scan``
+(:mod:`gradshard.substitutions`), which is found as the first form above.
 """
 
 from __future__ import annotations

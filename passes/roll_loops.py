@@ -94,6 +94,47 @@ def _loop_select(node: fx.Node, tl: Any) -> Optional[tuple[fx.Node, int, int]]:
     return None
 
 
+def _assign_state_ops_to_their_step(gm: fx.GraphModule, step_of: dict[fx.Node, int],
+                                    sources: dict[fx.Node, tuple[fx.Node, int]]) -> None:
+    """Move ops on the previous state into the step that uses them (in place on ``step_of``).
+
+    A first guess puts every node in the latest step it reads from, so ``dA * h`` in
+    ``h = dA * h + B * x[:, t]`` -- evaluated before ``x[:, t]`` is read -- lands in step
+    ``t-1``. A node whose users all sit in the next step (so nothing outside the body reads it)
+    moves there. Whatever this decides is still checked by the step isomorphism test, so a
+    wrong guess is an error, never a wrong scan.
+    """
+    for node in reversed(gm.graph.nodes):
+        s = step_of.get(node)
+        if s is None or node in sources or not node.users:
+            continue
+        if all(step_of.get(u) == s + 1 for u in node.users):
+            step_of[node] = s + 1
+
+
+def _absorb_initial_state_ops(steps: list[list[fx.Node]], step_of: dict[fx.Node, int], tl: Any) -> None:
+    """Pull ops on the initial state into step 0 while step 0 is shorter than step 1.
+
+    In ``h = dA * h + B * x[:, t]`` the first ``dA * h0`` reads no step of the sequence, so it
+    is outside the body; it belongs to step 0 when only step 0 uses it. Walks back from step
+    0's inputs (nodes without a time dim that step 0 alone uses); ``steps[0]`` keeps graph order.
+    """
+    first, want = steps[0], len(steps[1])
+    changed = True
+    while changed and len(first) < want:
+        changed = False
+        for node in [a for n in first for a in n.all_input_nodes]:
+            info = tl.info.get(node.name)
+            if (node.op != "call_function" or node in step_of or info is None or info.time_dims
+                    or any(step_of.get(u) != 0 for u in node.users) or len(first) >= want):
+                continue
+            step_of[node] = 0
+            first.append(node)
+            changed = True
+    order = {n: i for i, n in enumerate(first[0].graph.nodes)} if first else {}
+    first.sort(key=order.__getitem__)
+
+
 def find_loops(gm: fx.GraphModule, tl: Any) -> list[LoopChain]:
     """Group the unrolled-loop nodes of ``gm`` into chains (one per loop), steps in order."""
     step_of: dict[fx.Node, int] = {}
@@ -114,6 +155,7 @@ def find_loops(gm: fx.GraphModule, tl: Any) -> list[LoopChain]:
         ins = [step_of[a] for a in node.all_input_nodes if a in step_of]
         if ins:
             step_of[node] = max(ins)
+    _assign_state_ops_to_their_step(gm, step_of, sources)
     # connected components of body nodes (edges between body nodes)
     parent: dict[fx.Node, fx.Node] = {n: n for n in step_of}
 
@@ -143,11 +185,12 @@ def find_loops(gm: fx.GraphModule, tl: Any) -> list[LoopChain]:
             steps[step_of[n]].append(n)
         if any(not s for s in steps):
             continue
+        _absorb_initial_state_ops(steps, step_of, tl)
         # a chain carries a value from step to step; plain per-step maps are not loops over a state
         carried = any(step_of.get(a) == step_of[n] - 1 for n in steps[1] for a in n.all_input_nodes)
         if not carried:
             continue
-        chains.append(LoopChain(steps, {n: step_of[n] for n in nodes}, {n: sources[n] for n in nodes if n in sources}))
+        chains.append(LoopChain(steps, {n: t for t, ns in enumerate(steps) for n in ns}, {n: sources[n] for n in nodes if n in sources}))
     return chains
 
 

@@ -3,10 +3,14 @@
 mamba_ssm's ``selective_scan_fn`` calls a CUDA extension that no front door can trace.
 :func:`selective_scan_reference` computes the same function (mamba's ``selective_scan_ref``
 semantics) with a gradshard scan, so a captured Mamba block shows one ``linear_scan`` and
-gets an adjoint region like any other layer. :func:`patch_mamba_selective_scan` swaps it in.
+gets an adjoint region like any other layer. The python, fx and dynamo front doors swap it in
+automatically while capturing (:mod:`gradshard.substitutions`);
+:func:`patch_mamba_selective_scan` swaps it in for good, for ``torch.compile(backend=gs.backend(...))``
+where Dynamo traces the model before gradshard sees it.
 
-UNTESTED against mamba_ssm itself (not installed here; it needs CUDA). The reference is
-tested against a per-step loop of the same equations in ``tests/adjoint``.
+Tested against a per-step loop of the same equations and, through capture, against a
+stand-in mamba_ssm package (``tests/adjoint``); not against mamba_ssm itself (it needs CUDA
+and is not installed here).
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ def selective_scan_reference(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: 
 
 
 def patch_mamba_selective_scan() -> bool:
-    """UNTESTED: make mamba_ssm use :func:`selective_scan_reference`; False if not installed."""
+    """Make mamba_ssm use :func:`selective_scan_reference` from now on; False if not installed.
+
+    Not tested against the real package (see the module docstring)."""
     try:
         import mamba_ssm.ops.selective_scan_interface as ssi  # type: ignore[import-not-found]
     except ImportError:

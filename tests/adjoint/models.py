@@ -306,3 +306,31 @@ class StateInputSSM(nn.Module):
             return torch.tanh(hseq), h
         hseq = gs.kernels.linear_scan(a, u, h0)
         return torch.tanh(hseq), hseq[:, -1]
+
+
+class StateFirstS4D(nn.Module):
+    """S4D-style layer: time-invariant decay, the state term written first.
+
+    ``h = dA * h + B * z[:, t, :, None]`` evaluates ``dA * h`` before ``z[:, t]`` is read, so
+    the unrolled graph interleaves the op on the previous state with the next step's select
+    (and step 0's ``dA * h0`` reads no step at all). State (B, D, N), readout by einsum.
+    """
+
+    def __init__(self, d: int = 5, n: int = 3):
+        super().__init__()
+        self.log_dt = nn.Parameter(torch.rand(d) - 2)
+        self.A = nn.Parameter(-0.5 - torch.rand(d, n))
+        self.B = nn.Parameter(torch.randn(d, n))
+        self.C = nn.Parameter(torch.randn(d, n))
+        self.D = nn.Parameter(torch.randn(d))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.norm(x)
+        dA = torch.exp(self.log_dt.exp()[:, None] * self.A)
+        h = x.new_zeros(x.shape[0], x.shape[2], self.B.shape[1])
+        ys = []
+        for t in range(x.shape[1]):
+            h = dA * h + self.B * z[:, t, :, None]
+            ys.append(torch.einsum("bdn,dn->bd", h, self.C))
+        return x + torch.nn.functional.gelu(torch.stack(ys, dim=1) + self.D * z)

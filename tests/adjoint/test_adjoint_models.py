@@ -10,9 +10,9 @@ import torch
 
 import gradshard as gs
 
-from .helpers import assert_same_grads
+from .helpers import assert_same_grads, grads_of, rel_err
 from .models import (CumsumMixer, DenseLoopSSM, DiagonalSSM, FinalStateSSM, LoopProducersRNN,
-                     init_like_training)
+                     StateFirstS4D, init_like_training)
 
 T = 11
 
@@ -49,6 +49,19 @@ def test_dense_loop(batch, h0):
 def test_loop_with_per_step_producers(h0):
     model = init_like_training(LoopProducersRNN(h0=h0))
     assert_same_grads(model, (_x(3, 5),), shard_size=3)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_loop_with_the_state_term_first(batch):
+    # `dA * h` is evaluated before the step's input is read: the op on the previous state
+    # belongs to the next step, and step 0's `dA * h0` reads no step of the sequence
+    model = init_like_training(StateFirstS4D())
+    cm = assert_same_grads(model, (_x(batch, 5),), shard_size=4)
+    assert [r.options["written_as"] for r in cm.regions if r.kind == "linear_recurrence"] == ["rolled loop (11 steps)"]
+    out, grads, _ = grads_of(model, (_x(batch, 5, T=23),), cm)  # the rolled program at another length
+    ref_out, ref_grads, _ = grads_of(model, (_x(batch, 5, T=23),))
+    assert rel_err(out[0], ref_out[0]) <= 1e-10
+    assert max(rel_err(grads[n], g) for n, g in ref_grads.items()) <= 1e-10
 
 
 def test_loop_over_unbind():
