@@ -190,3 +190,9 @@ def test_compiled_module_runs_the_outer_loop() -> None:
         assert torch.equal(a[n], b[n]), n
     assert torch.all(counts["layers.0.mlp.up_proj.weight"] == 1)
     assert torch.all(counts["layers.0.self_attn.o_proj.weight"] == 2)
+
+
+def test_a_single_target_may_be_given_as_a_string() -> None:
+    cm = gs.compile(llama(), plan="partial_update", num_slices=2, slice_index=0, targets="mlp")
+    cm(tokens()[0])
+    assert set(_roles(cm).values()) == {"mlp_in", "mlp_out"}
