@@ -141,12 +141,15 @@ class CompiledModule(nn.Module):
         kwargs = kwargs or {}
         if self._cache:
             log.info("gradshard: new input signature, capturing again (%d cached)", len(self._cache))
-        cap = capture(self.target, args, kwargs, frontend=self.frontend)
-        example = cap.example_inputs
-        if real_values:
-            example = [real_values.get(id(t), t) for t in example]
-        entry = compile_graph(cap.gm, example, self.plan, self.options,
-                              captured=cap, time_axis=self.time_axis, backend=self.backend)
+        # Compiling runs parts of the model (tracing, checks on the example inputs); it must
+        # not consume the user's random stream, or a seeded first call would differ from eager.
+        with torch.random.fork_rng():
+            cap = capture(self.target, args, kwargs, frontend=self.frontend)
+            example = cap.example_inputs
+            if real_values:
+                example = [real_values.get(id(t), t) for t in example]
+            entry = compile_graph(cap.gm, example, self.plan, self.options,
+                                  captured=cap, time_axis=self.time_axis, backend=self.backend)
         hook = getattr(entry.gm, "gs_attach", None)
         if callable(hook):
             hook(self)

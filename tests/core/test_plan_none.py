@@ -103,3 +103,23 @@ def test_torch_compile_backend():
     assert_identical(g1, g2, rtol=1e-12)
     assert be.compiled and be.compiled[0].plan == "none"
     del compiled
+
+
+def test_compiling_does_not_consume_the_random_stream():
+    """Dropout in training mode: a seeded first call (which captures and compiles) draws the
+    same masks as eager, and gradients follow those masks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.4), nn.GELU(), nn.Linear(7, 3)).double().train()
+    x = torch.randn(2, 9, 5, dtype=torch.float64)
+    cm = gs.compile(model, plan="none", time_axis=(0, 1))
+    torch.manual_seed(11)
+    out = cm(x)
+    out.square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(11)
+    want = model(x)
+    want.square().sum().backward()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
