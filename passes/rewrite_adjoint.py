@@ -18,10 +18,23 @@ form for ``plan="truncated_adjoint"``). Parameters stay graph inputs of the modu
 gradients reach the user's parameters. Each region is checked once on the example inputs:
 the sharded forward (small shards, so halos are exercised) must reproduce the captured
 graph's values, else compilation stops with an error.
+
+Two more reductions of what the plan keeps (both exact):
+
+* a region input computed pointwise from graph inputs and parameters (layer 0's token
+  embedding) is recomputed per backward shard from those instead of being saved
+  (:mod:`.recurrence_remat`; the region is called with them as extra inputs);
+* the time-local tail after the last recurrence (final norm, LM head) becomes a
+  ``LocalSegment`` (``tail_0``, :mod:`gradshard.runtime.adjoint_local`) that keeps its
+  inputs only and recomputes itself shard by shard in the backward, when plain autograd
+  would keep more (:mod:`.recurrence_tail`)::
+
+      tail_0 = self.tail_0(add_7, norm_f_w, lm_head_w); linear = tail_0[0]
 """
 
 from __future__ import annotations
 
+import heapq
 import operator
 from typing import Any, Optional
 
@@ -32,12 +45,15 @@ from gradshard.analysis.node_costs import node_cost
 from gradshard.errors import UnsupportedGraphError, node_error
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext, PassResult, graph_pass
-from gradshard.runtime.adjoint import AdjointRegion
-from gradshard.runtime.adjoint_respecialize import time_facts
+from gradshard.runtime.adjoint import AdjointRegion, InputRemat
+from gradshard.runtime.adjoint_local import LocalSegment
+from gradshard.runtime.adjoint_respecialize import RespecializeError, respecialize, time_facts
 
 from .detect_recurrence import find_scan_sites
 from .recurrence_graph import copy_graph_module, live_nodes
 from .recurrence_region import RegionPlan, extract_region
+from .recurrence_remat import InputRematPlan, find_input_remats
+from .recurrence_tail import TailPlan, find_local_tails
 
 __all__ = ["rewrite_adjoint", "build_region_module", "VERIFY_MAX_LEN"]
 
@@ -67,7 +83,7 @@ def _subgraph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
     return gm
 
 
-def _costs(plan: RegionPlan, T: int, shard: int) -> dict[str, int]:
+def _costs(plan: RegionPlan, T: int, shard: int, remat: frozenset[int] = frozenset()) -> dict[str, int]:
     prod = [node_cost(n) for n in plan.producers if n.op == "call_function"]
     ro = [node_cost(n) for n in plan.readout]
     u_val = plan.producer_outputs[1].meta["val"]
@@ -76,8 +92,9 @@ def _costs(plan: RegionPlan, T: int, shard: int) -> dict[str, int]:
     if plan.scan.kind == "dense":
         a_val = plan.producer_outputs[0].meta["val"]
         scan_flops = 2 * u_val.numel() * int(a_val.shape[-1])
-    saved = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x, d in zip(plan.inputs, plan.io.input_time_dims)
-                if d is not None and isinstance(x.meta.get("val"), torch.Tensor))
+    saved = sum(x.meta["val"].numel() * x.meta["val"].element_size()
+                for i, (x, d) in enumerate(zip(plan.inputs, plan.io.input_time_dims))
+                if d is not None and i not in remat and isinstance(x.meta.get("val"), torch.Tensor))
     n_ckpt = max(0, -(-T // max(shard, 1)) - 1)
     saved += n_ckpt * state_bytes // max(T, 1)
     return {
@@ -91,17 +108,74 @@ def _costs(plan: RegionPlan, T: int, shard: int) -> dict[str, int]:
     }
 
 
+def _remat_leaves(remats: list[InputRematPlan]) -> list[fx.Node]:
+    """The extra region inputs the remats read (deduplicated, in first-use order)."""
+    return list(dict.fromkeys(leaf for r in remats for leaf in r.leaves))
+
+
 def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name: str, plan_name: str,
-                        shard_size: int, window: Optional[int]) -> AdjointRegion:
-    """The :class:`AdjointRegion` of ``plan`` (graphs cut from ``gm``)."""
+                        shard_size: int, window: Optional[int],
+                        remats: Optional[list[InputRematPlan]] = None) -> AdjointRegion:
+    """The :class:`AdjointRegion` of ``plan`` (graphs cut from ``gm``); ``remats``: inputs to recompute."""
+    remats = remats or []
     producer = _subgraph(gm, plan.inputs, plan.producers, plan.producer_outputs, f"{name}_producers")
     h = next(n for n in gm.graph.nodes if n.name == plan.site.h)
     readout = _subgraph(gm, [h, *plan.producer_outputs[3:]], plan.readout, plan.exits, f"{name}_readout")
     lh, rh = plan.io.halo
     desc = (f"{plan.scan.kind} recurrence written as {plan.site.written_as}; {len(plan.producers)} producer nodes "
             f"(halo {lh}/{rh}), {len(plan.readout)} readout nodes")
+    extra = _remat_leaves(remats)
+    slot = {leaf: j for j, leaf in enumerate(extra)}
+    built = []
+    for r in remats:
+        x = plan.inputs[r.index]
+        g = _subgraph(gm, list(r.leaves), list(r.nodes), [x], f"{name}_input{r.index}")
+        built.append((InputRemat(r.index, tuple(slot[leaf] for leaf in r.leaves), r.leaf_time_dims), g))
+    if remats:
+        desc += "; recomputes input(s) " + ", ".join(plan.inputs[r.index].name for r in remats) + " from " + ", ".join(
+            leaf.name for leaf in extra)
+    costs = _costs(plan, plan.io.captured_len, shard_size, frozenset(r.index for r in remats))
     return AdjointRegion(name, producer, readout, facts, plan.scan, plan.io, plan=plan_name, shard_size=shard_size,
-                         window=window, describe=desc, costs=_costs(plan, plan.io.captured_len, shard_size))
+                         window=window, describe=desc, costs=costs, remats=built, n_extra=len(extra))
+
+
+def _respecializes(fn: Any, lengths: list[int]) -> bool:
+    """Whether ``fn(length)`` re-specialises a graph to every length (fake-tensor checked)."""
+    try:
+        for L in lengths:
+            fn(L)
+    except RespecializeError:
+        return False
+    return True
+
+
+def _check_lengths(T: int, shard: int) -> list[int]:
+    S = max(1, min(shard, T))
+    return sorted({S, T % S or S, max(1, S // 2)} - {T})
+
+
+def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, shard: int) -> list[InputRematPlan]:
+    """The remats of ``plan``'s inputs whose recomputation re-specialises to shard lengths."""
+    out = []
+    for r in find_input_remats(gm, tl, facts, plan.inputs, plan.io.input_time_dims):
+        g = _subgraph(gm, list(r.leaves), list(r.nodes), [plan.inputs[r.index]], "remat_check")
+        if _respecializes(lambda L: respecialize(g, facts, plan.io.captured_len, L), _check_lengths(plan.io.captured_len, shard)):
+            out.append(r)
+    return out
+
+
+def build_tail_module(gm: fx.GraphModule, tail: TailPlan, facts: dict, name: str, T: int,
+                      shard_size: int) -> LocalSegment:
+    """The :class:`LocalSegment` running ``tail`` (graph cut from ``gm``)."""
+    graph = _subgraph(gm, tail.inputs, tail.nodes, tail.outputs, f"{name}_graph")
+    costs = [node_cost(n) for n in tail.nodes]
+    desc = (f"time-local tail of {len(tail.nodes)} nodes ({', '.join(n.name for n in tail.nodes[:4])}"
+            f"{', ...' if len(tail.nodes) > 4 else ''}); keeps {tail.kept:,} B instead of {tail.autograd_saved:,} B")
+    return LocalSegment(name, graph, facts, tail.input_time_dims, tail.output_time_dims, captured_len=T,
+                        shard_size=shard_size, describe=desc,
+                        costs={"saved_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved,
+                               "fwd_flops": sum(c.fwd_flops for c in costs), "bwd_flops": sum(c.bwd_flops for c in costs),
+                               "work_bytes": sum(c.out_bytes for c in costs)})
 
 
 class _Collect(fx.Interpreter):
@@ -117,33 +191,172 @@ class _Collect(fx.Interpreter):
         return out
 
 
-def _verify(gm: fx.GraphModule, plans: list[RegionPlan], modules: list[AdjointRegion], example: list[Any]) -> list[str]:
-    """Run each region sharded (small shards) on the example inputs; compare with the graph."""
+def _collect(gm: fx.GraphModule, plans: list[RegionPlan], remats: list[list[InputRematPlan]], tails: list[TailPlan],
+             example: list[Any]) -> dict[str, Any]:
+    """Values of the graph's region/remat/tail boundary nodes on the example inputs (no grad)."""
     keep = {x.name for p in plans for x in (*p.inputs, *p.exits, *( [p.final_select] if p.final_select else []))}
+    keep |= {x.name for t in tails for x in (*t.inputs, *t.outputs)}
+    keep |= {leaf.name for rm in remats for r in rm for leaf in r.leaves}
     col = _Collect(gm, keep)
     with torch.no_grad():
         col.run(*example)
+    return col.values
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    if tuple(got.shape) != tuple(ref.shape):
+        return False, float("inf")
+    if not ref.dtype.is_floating_point:
+        return bool((got == ref).all()), 0.0
+    tol = 1e-9 if ref.dtype == torch.float64 else 1e-3
+    err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1.0)) if ref.numel() else 0.0
+    return err <= tol, err
+
+
+def _verify(plans: list[RegionPlan], modules: list[AdjointRegion], values: dict[str, Any]) -> list[str]:
+    """Run each region sharded (small shards) on the example inputs; compare with the graph."""
     notes = []
     for p, mod in zip(plans, modules):
         T = p.io.captured_len
         small = max(1, -(-T // 3))
         probe = AdjointRegion(mod.region_name, mod.producer, mod.readout, mod.facts, mod.scan, mod.io, plan="adjoint",
                               shard_size=small)
-        ins = [col.values[x.name] for x in p.inputs]
+        ins = [values[x.name] for x in p.inputs]
         with torch.no_grad():
             outs = probe(*ins)
-        want = [col.values[x.name] for x in p.exits] + ([col.values[p.final_select.name]] if p.final_select else [])
+        want = [values[x.name] for x in p.exits] + ([values[p.final_select.name]] if p.final_select else [])
         for got, ref, node in zip(outs, want, [*p.exits, *([p.final_select] if p.final_select else [])]):
-            tol = 1e-9 if ref.dtype == torch.float64 else 1e-3
-            scale = ref.abs().max().clamp_min(1.0)
-            err = (got - ref).abs().max() / scale
-            if not bool(err <= tol):
+            ok, err = _close(got, ref)
+            if not ok:
                 raise node_error(node, f"internal check failed: recomputing region {mod.region_name} in shards of "
                                  f"{small} steps (halo {p.io.halo}) gives values differing from the captured graph "
-                                 f"(max rel err {float(err):.2e}); its producers have a time dependence gradshard "
+                                 f"(max rel err {err:.2e}); its producers have a time dependence gradshard "
                                  "did not model", "use plan='seco' or plan='none', and report this graph")
         notes.append(f"{mod.region_name}: sharded recompute checked on the example inputs (shards of {small})")
     return notes
+
+
+def _verified_remats(gm: fx.GraphModule, plan: RegionPlan, remats: list[InputRematPlan], values: dict[str, Any],
+                     ) -> tuple[list[InputRematPlan], list[str]]:
+    """The remats whose recomputation (on the whole example) reproduces the region input; notes."""
+    ok, notes = [], []
+    for r in remats:
+        x = plan.inputs[r.index]
+        g = _subgraph(gm, list(r.leaves), list(r.nodes), [x], "remat_check")
+        with torch.no_grad():
+            got = g(*[values[leaf.name] for leaf in r.leaves])[0]
+        good, err = _close(got, values[x.name])
+        if good:
+            ok.append(r)
+        else:
+            notes.append(f"{x.name}: not recomputed from {[leaf.name for leaf in r.leaves]} (check failed, err {err:.2e})")
+    return ok, notes
+
+
+def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dict[str, Any],
+                    ) -> tuple[list[TailPlan], list[LocalSegment], list[str]]:
+    """The tails whose run in small shards reproduces the graph's values on the example; notes.
+
+    A tail that fails is left to plain autograd (it is an optimisation; the gradient stays exact).
+    """
+    keep_t, keep_m, notes = [], [], []
+    for tail, seg in zip(tails, mods):
+        T = seg.captured_len
+        small = max(1, -(-T // 3))
+        probe = LocalSegment(seg.region_name, seg.graph_module, seg.facts, seg.input_time_dims, seg.output_time_dims,
+                             captured_len=T, shard_size=small)
+        try:
+            with torch.no_grad():
+                outs = probe(*[values[x.name] for x in tail.inputs])
+            checks = [_close(got, values[node.name]) for got, node in zip(outs, tail.outputs)]
+        except Exception as exc:  # noqa: BLE001 - the tail stays under plain autograd
+            notes.append(f"{seg.region_name}: left to autograd ({type(exc).__name__}: {exc})")
+            continue
+        bad = [err for good, err in checks if not good]
+        if bad:
+            notes.append(f"{seg.region_name}: left to autograd (sharded run differs, rel err {max(bad):.2e})")
+            continue
+        keep_t.append(tail)
+        keep_m.append(seg)
+        notes.append(f"{seg.region_name}: sharded tail checked on the example inputs (shards of {small})")
+    return keep_t, keep_m, notes
+
+
+def _tails(gm: fx.GraphModule, tl: Any, facts: dict, region_nodes: set[fx.Node], kept_anyway: set[fx.Node],
+           shard: int) -> tuple[list[TailPlan], list[LocalSegment]]:
+    """The time-local tails worth recomputing, with their modules (those that re-specialise to shards)."""
+    plans, mods = [], []
+    for tail in find_local_tails(gm, tl, facts, region_nodes, kept_anyway):
+        seg = build_tail_module(gm, tail, facts, f"tail_{len(mods)}", tl.seq_len, shard)
+        if not _respecializes(seg.graph_for, _check_lengths(tl.seq_len, shard)):
+            continue
+        plans.append(tail)
+        mods.append(seg)
+    return plans, mods
+
+
+def _restore_topological_order(graph: fx.Graph) -> None:
+    """Reorder ``graph`` so every node follows its inputs, moving as little as possible.
+
+    A tail call is placed where the tail began; an input it reads (a region output) may be
+    defined later, and a node reading its outputs may come earlier. Ready nodes are emitted
+    in their current order (a stable topological sort), so a graph already in order is kept.
+    """
+    nodes = list(graph.nodes)
+    seen: set[fx.Node] = set()
+    for n in nodes:
+        if any(a not in seen for a in n.all_input_nodes):
+            break
+        seen.add(n)
+    else:
+        return
+    pos = {n: i for i, n in enumerate(nodes)}
+    output = nodes[-1]
+    indeg = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(pos[n], n) for n in nodes if indeg[n] == 0 and n is not output]
+    heapq.heapify(ready)
+    order: list[fx.Node] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0 and u is not output:
+                heapq.heappush(ready, (pos[u], u))
+    if len(order) != len(nodes) - 1:
+        raise RuntimeError("internal: the graph has a cycle after installing a time-local tail")
+    order.append(output)
+    for a, b in zip(order, order[1:]):
+        a.append(b)
+
+
+def _install_tail(gm: fx.GraphModule, tail: TailPlan, seg: LocalSegment, facts: dict,
+                  replaced: dict[fx.Node, fx.Node]) -> Region:
+    """Replace ``tail``'s nodes in ``gm`` by one call of ``seg``; the Region describing it."""
+    name = seg.region_name
+    gm.add_submodule(name, seg)
+    inputs = [replaced.get(x, x) for x in tail.inputs]
+    source = source_of(tail.outputs[-1])
+    with gm.graph.inserting_before(tail.nodes[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        call.meta["stack_trace"] = tail.outputs[-1].meta.get("stack_trace")
+        call.meta["gs_region"] = name
+        for j, y in enumerate(tail.outputs):
+            g = gm.graph.call_function(operator.getitem, (call, j))
+            g.meta = {"val": y.meta.get("val"), "stack_trace": y.meta.get("stack_trace")}
+            facts[g.name] = facts.get(y.name, ())
+            members = set(tail.nodes)
+            y.replace_all_uses_with(g, delete_user_cb=lambda usr, m=members: usr not in m)
+    for n in reversed(tail.nodes):
+        if n.users:
+            raise node_error(next(iter(n.users)), f"internal: tail {name} still has an outside user", "report this")
+        gm.graph.erase_node(n)
+    _restore_topological_order(gm.graph)
+    return Region(kind="local_recompute", name=name, nodes=tuple(n.name for n in tail.nodes),
+                  inputs=tuple(x.name for x in inputs), outputs=tuple(y.name for y in tail.outputs),
+                  time_axis=tail.output_time_dims[0], source=source,
+                  options={"form": "pointwise in time, recomputed in shards", "shard_size": seg.shard_size,
+                           "kept_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved})
 
 
 @graph_pass
@@ -170,14 +383,28 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         plan = extract_region(new, tl, facts, site, live, claimed)
         claimed.update(plan.producers, plan.readout, plan.covered_nodes)
         plans.append(plan)
-    modules = []
-    for i, plan in enumerate(plans):
-        modules.append(build_region_module(new, plan, facts, f"adjoint_{i}", ctx.plan, shard, window))
     notes: list[str] = []
-    if ctx.example_inputs and tl.seq_len <= VERIFY_MAX_LEN:
-        notes += _verify(new, plans, modules, list(ctx.example_inputs))
+    verify = bool(ctx.example_inputs) and tl.seq_len <= VERIFY_MAX_LEN
+    remats = [_usable_remats(new, tl, facts, plan, shard) for plan in plans]
+    region_nodes = {n for p in plans for n in (*p.producers, *p.readout, *p.covered_nodes, *([p.final_select] if p.final_select else []))}
+    region_nodes |= {n for n in new.graph.nodes if n.name in {p.site.h for p in plans}}
+    kept_anyway = {x for p, rm in zip(plans, remats) for i, (x, d) in enumerate(zip(p.inputs, p.io.input_time_dims))
+                   if d is not None and i not in {r.index for r in rm}}
+    tails, tail_modules = _tails(new, tl, facts, region_nodes, kept_anyway, shard)
+    values = _collect(new, plans, remats, tails, list(ctx.example_inputs)) if verify else {}
+    if verify:
+        checked = [_verified_remats(new, plan, rm, values) for plan, rm in zip(plans, remats)]
+        remats = [rm for rm, _ in checked]
+        notes += [n for _, ns in checked for n in ns]
+    modules = [build_region_module(new, plan, facts, f"adjoint_{i}", ctx.plan, shard, window, remats[i])
+               for i, plan in enumerate(plans)]
+    if verify:
+        notes += _verify(plans, modules, values)
+        tails, tail_modules, tail_notes = _verified_tails(tails, tail_modules, values)
+        notes += tail_notes
     order = {n: i for i, n in enumerate(new.graph.nodes)}
     h_source = {n.name: source_of(n) for n in new.graph.nodes}
+    replaced: dict[fx.Node, fx.Node] = {}  # region exits -> the getitems that replace them
     enriched: dict[str, Region] = {}
     for i, (plan, mod) in enumerate(zip(plans, modules)):
         name = mod.region_name
@@ -191,7 +418,7 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             outside_users += list(plan.final_select.users)
         first = min(outside_users, key=order.get) if outside_users else next(iter(new.graph.find_nodes(op="output")))
         with new.graph.inserting_before(first):
-            call = new.graph.call_module(name, tuple(plan.inputs))
+            call = new.graph.call_module(name, tuple(plan.inputs) + tuple(_remat_leaves(remats[i])))
             call.meta["stack_trace"] = plan.exits[0].meta.get("stack_trace") if plan.exits else None
             call.meta["gs_region"] = name
             outs = []
@@ -202,6 +429,7 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 outs.append(g)
         for x, g in zip([*plan.exits, *([plan.final_select] if plan.final_select else [])], outs):
             x.replace_all_uses_with(g, delete_user_cb=lambda usr, m=members: usr not in m)
+            replaced[x] = g
         for n in sorted(members, key=lambda m: -order[m]):
             if n.users:
                 raise node_error(next(iter(n.users)), f"internal: region {name} still has an outside user", "report this")
@@ -230,6 +458,9 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             kept.append(r)
     kept.extend(enriched.values())
+    for tail, seg in zip(tails, tail_modules):
+        kept.append(_install_tail(new, tail, seg, facts, replaced))
+        notes.append(f"{seg.region_name}: {seg.describe}")
     ctx.regions[:] = kept
     new.graph.eliminate_dead_code()
     new.graph.lint()

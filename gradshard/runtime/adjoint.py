@@ -13,6 +13,10 @@ Forward (``plan="adjoint"`` and ``"truncated_adjoint"``), shard by shard without
                             h = scan(a, u, from the state at s-1) -> y[s:e] = readout(h, r)
     saved: x, the parameters' references, and h at every shard boundary (T/shard states)
 
+A layer input that is a cheap pointwise function of graph inputs and parameters (layer 0's
+``embedding(W, ids)``) is not saved: the region receives its sources as extra inputs
+(:class:`InputRemat`), saves those, and recomputes the input's window in each backward shard.
+
 Backward, shards right to left; only one shard's graph is ever alive::
 
     recompute producers on the window (grad on), h from its checkpoint (no grad)
@@ -41,7 +45,7 @@ from .adjoint_respecialize import DimFact, respecialize
 from .adjoint_scan import recurrence_for
 from .truncated import TruncatedSweep
 
-__all__ = ["ScanSpec", "RegionIO", "AdjointRegion", "AdjointFunction"]
+__all__ = ["ScanSpec", "RegionIO", "InputRemat", "AdjointRegion", "AdjointFunction"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,21 @@ class RegionIO:
     final_state: bool  # an extra last output: h at the last step
     halo: tuple[int, int]  # steps recomputed before / after each shard
     captured_len: int
+
+
+@dataclass(frozen=True)
+class InputRemat:
+    """Region input ``index`` is recomputed (not saved) from some of the region's extra inputs.
+
+    The extra inputs follow the region's own inputs in the call; ``leaf_slots`` are positions
+    among them (graph inputs, parameters, constants the caller keeps anyway) and
+    ``leaf_time_dims`` their time dims. The recomputation is pointwise in time, so a window
+    of the input is the recomputation on the same window of the leaves.
+    """
+
+    index: int
+    leaf_slots: tuple[int, ...]
+    leaf_time_dims: tuple[Optional[int], ...]
 
 
 # --------------------------------------------------------------------------- layout helpers
@@ -124,7 +143,8 @@ class AdjointRegion(nn.Module):
     def __init__(self, name: str, producer: fx.GraphModule, readout: fx.GraphModule,
                  facts: Mapping[str, tuple[Optional[DimFact], ...]], scan: ScanSpec, io: RegionIO, *,
                  plan: str, shard_size: int, window: Optional[int] = None, describe: str = "",
-                 costs: Optional[Mapping[str, int]] = None) -> None:
+                 costs: Optional[Mapping[str, int]] = None,
+                 remats: Sequence[tuple[InputRemat, fx.GraphModule]] = (), n_extra: int = 0) -> None:
         super().__init__()
         self.region_name = name
         self.producer = producer
@@ -140,12 +160,20 @@ class AdjointRegion(nn.Module):
         self._cache: dict[tuple[str, int], fx.GraphModule] = {}
         self.rec = recurrence_for(scan.kind)
         self.kernel_backend: Optional[str] = None  # set by the lower_kernels pass
+        self.remats = {r.index: r for r, _ in remats}
+        self.remat_graphs = nn.ModuleDict({f"input{r.index}": g for r, g in remats})
+        self.n_extra = int(n_extra)
 
     # ---------------------------------------------------------------- graphs per length
 
     def graph_for(self, which: str, length: int) -> fx.GraphModule:
         """The producer or readout graph re-specialised to ``length`` steps (cached)."""
-        base = self.producer if which == "producer" else self.readout
+        if which == "producer":
+            base = self.producer
+        elif which == "readout":
+            base = self.readout
+        else:
+            base = self.remat_graphs[which]
         if length == self.io.captured_len:
             return base
         key = (which, length)
@@ -173,6 +201,14 @@ class AdjointRegion(nn.Module):
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         return AdjointFunction.apply(self, *inputs)
+
+    def remat_window(self, index: int, extras: Sequence[Tensor], ws: int, we: int) -> Tensor:
+        """Window ``[ws, we)`` of region input ``index``, recomputed from the extra inputs (no grad)."""
+        r = self.remats[index]
+        leaves = [_narrow(extras[j], d, ws, we - ws) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
+        with torch.no_grad():
+            out = self.graph_for(f"input{index}", we - ws)(*leaves)
+        return (out[0] if isinstance(out, (tuple, list)) else out).detach()
 
     # ---------------------------------------------------------------- per-shard pieces
 
@@ -255,7 +291,9 @@ class AdjointFunction(torch.autograd.Function):
     """Sharded forward with state checkpoints; adjoint (or truncated adjoint) backward."""
 
     @staticmethod
-    def forward(ctx: Any, region: AdjointRegion, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, region: AdjointRegion, *all_inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        n_base = len(all_inputs) - region.n_extra
+        inputs, extras = all_inputs[:n_base], all_inputs[n_base:]
         T = region.seq_len(inputs)
         shards = region.shards(T)
         sp = region.scan
@@ -289,8 +327,12 @@ class AdjointFunction(torch.autograd.Function):
         ctx.region = region
         ctx.T = T
         ctx.n_inputs = len(inputs)
+        ctx.n_extra = len(extras)
         ctx.ckpt_present = [c is not None for c in ckpts]
-        ctx.save_for_backward(*inputs, *[c for c in ckpts if c is not None])
+        remat = {i for i in region.remats if i < len(inputs)}
+        ctx.remat_like = {i: (tuple(inputs[i].shape), inputs[i].dtype, inputs[i].device) for i in remat}
+        kept = [None if i in remat else x for i, x in enumerate(inputs)]
+        ctx.save_for_backward(*kept, *extras, *[c for c in ckpts if c is not None])
         return tuple(result)
 
     @staticmethod
@@ -298,7 +340,8 @@ class AdjointFunction(torch.autograd.Function):
         region: AdjointRegion = ctx.region
         saved = ctx.saved_tensors
         inputs = list(saved[: ctx.n_inputs])
-        ck_iter = iter(saved[ctx.n_inputs:])
+        extras = list(saved[ctx.n_inputs: ctx.n_inputs + ctx.n_extra])
+        ck_iter = iter(saved[ctx.n_inputs + ctx.n_extra:])
         ckpts = [next(ck_iter) if p else None for p in ctx.ckpt_present]
         needs = ctx.needs_input_grad[1:]
         io, sp, T = region.io, region.scan, ctx.T
@@ -320,7 +363,7 @@ class AdjointFunction(torch.autograd.Function):
                 if d is None:
                     leaves.append(static_leaves[i])
                 else:
-                    w = x.narrow(d, ws, we - ws).detach()
+                    w = region.remat_window(i, extras, ws, we) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             with torch.enable_grad():
                 outs = region.graph_for("producer", we - ws)(*leaves)
@@ -387,7 +430,11 @@ class AdjointFunction(torch.autograd.Function):
                         grads_in[i] = gv if grads_in[i] is None else grads_in[i] + gv
                     else:
                         if grads_in[i] is None:
-                            grads_in[i] = torch.zeros_like(inputs[i])
+                            if inputs[i] is None:
+                                shape, dtype, device = ctx.remat_like[i]
+                                grads_in[i] = torch.zeros(shape, dtype=dtype, device=device)
+                            else:
+                                grads_in[i] = torch.zeros_like(inputs[i])
                         grads_in[i].narrow(d, ws, we - ws).add_(gv)
             del outs, prod, a, u, rs, ys, got, outs_v, grads_v
-        return (None, *grads_in)
+        return (None, *grads_in, *([None] * ctx.n_extra))

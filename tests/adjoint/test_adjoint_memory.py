@@ -1,0 +1,126 @@
+"""What plan="adjoint" keeps: layer inputs, state checkpoints, and nothing more (float64).
+
+Layer 0's input (the token embedding) is recomputed from the ids; the time-local tail after
+the last recurrence (final norm + LM head) keeps only its input and is recomputed in shards
+in the backward (``tail_0``). Saved bytes are checked exactly; gradients to 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradshard as gs
+from examples.models.ssm import SelectiveSSMLM, SSMConfig
+
+from .helpers import assert_same_grads
+from .models import DiagonalSSM, init_like_training
+
+CFG = dict(vocab_size=37, d_model=8, d_state=3)
+
+
+def _lm(layers: int = 3, **extra) -> SelectiveSSMLM:
+    torch.manual_seed(0)
+    return SelectiveSSMLM(SSMConfig(**CFG, n_layers=layers, scan="gradshard", **extra)).double()
+
+
+def _saved_bytes(model: nn.Module, run, ids: torch.Tensor) -> int:
+    w = torch.randn(*ids.shape, CFG["vocab_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def step(ids: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        (run(ids) * w).sum().backward()  # the loss saves nothing the step allocates
+
+    step(ids)
+    return gs.measure(step, ids).saved_bytes
+
+
+def _regions(cm, kind: str) -> list:
+    return [r for r in cm.regions if r.kind == kind]
+
+
+@pytest.mark.parametrize("batch,T,shard", [(2, 40, 8), (1, 37, 5)])
+def test_lm_saves_only_layer_inputs_tail_input_and_checkpoints(batch, T, shard):
+    layers, P, N = 3, CFG["d_model"], CFG["d_state"]
+    model = _lm(layers)
+    cm = gs.compile(model, plan="adjoint", shard_size=shard)
+    ids = torch.randint(0, CFG["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(T))
+    saved = _saved_bytes(model, cm, ids)
+    n_ckpt = -(-T // shard) - 1
+    # inputs of layers 1..K-1 and of the tail (the residual stream after the last layer);
+    # layer 0's input is recomputed from the ids; plus K * n_ckpt states (B, N, P)
+    want = layers * batch * T * P * 8 + layers * n_ckpt * batch * N * P * 8
+    assert saved == want, (saved, want)
+    (tail,) = _regions(cm, "local_recompute")
+    assert any("linear" in n for n in tail.nodes) and any("rsqrt" in n for n in tail.nodes), tail.nodes
+    assert cm.graph.adjoint_0.n_extra == 2  # the ids and the embedding table
+    plain = _saved_bytes(model, gs.compile(model, plan="none"), ids)
+    assert plain > 4 * saved
+
+
+@pytest.mark.parametrize("plan,opts", [("adjoint", {"shard_size": 4}), ("truncated_adjoint", {"window": 64, "shard_size": 4})])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lm_gradients_exact_with_recomputed_embedding_and_tail(plan, opts, batch):
+    model = _lm(2, learn_initial_state=True)
+    ids = torch.randint(0, CFG["vocab_size"], (batch, 13), generator=torch.Generator().manual_seed(batch))
+    cm = assert_same_grads(model, (ids,), plan=plan, **opts)
+    assert len(_regions(cm, "local_recompute")) == 1
+
+
+def test_no_tail_when_autograd_keeps_nothing_after_the_last_layer():
+    model = init_like_training(DiagonalSSM(d=5, n=3, layers=2, scan="gradshard"))
+    y = torch.randn(2, 11, 5, dtype=torch.float64)
+    cm = assert_same_grads(model, (y,), shard_size=4)
+    assert _regions(cm, "local_recompute") == []  # the tail is `y + readout`: nothing to drop
+
+
+class _TailLM(nn.Module):
+    """An SSM LM whose head mixes pointwise ops with a mean over time and returns two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = _lm(2)
+        self.proj = nn.Linear(CFG["d_model"], CFG["d_model"]).double()
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lm = self.lm
+        y = lm.embed(ids)
+        for layer in lm.layers:
+            y = layer(y)
+        z = F.gelu(self.proj(lm.norm_f(y)))
+        logits = lm.lm_head(z - z.mean(dim=1, keepdim=True))  # reads every step
+        return logits.reshape(-1, logits.shape[-1]), torch.tanh(z)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tail_stops_at_ops_that_are_not_pointwise_in_time(batch):
+    model = _TailLM()
+    ids = torch.randint(0, CFG["vocab_size"], (batch, 15), generator=torch.Generator().manual_seed(2))
+    cm = assert_same_grads(model, (ids,), shard_size=4)
+    (tail,) = _regions(cm, "local_recompute")
+    assert any(n.startswith("gelu") for n in tail.nodes) and any(n.startswith("tanh") for n in tail.nodes), tail.nodes
+    # the mean over time, what reads it (sub, lm_head) and the batch-time reshape stay outside
+    assert [n for n in tail.nodes if n.startswith("linear")] == [next(n for n in tail.nodes if n.startswith("linear"))]
+    assert not any(n.startswith(("sub", "view", "reshape")) for n in tail.nodes), tail.nodes
+    assert len(tail.outputs) == 2  # z (read by the mean) and tanh(z)
+
+
+class _DropoutTail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = _lm(1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        lm = self.lm
+        y = lm.layers[0](lm.embed(ids))
+        return lm.lm_head(F.dropout(lm.norm_f(y), p=0.5, training=True))
+
+
+def test_random_ops_are_never_recomputed():
+    model = _DropoutTail()
+    cm = gs.compile(model, plan="adjoint", shard_size=4)
+    cm(torch.randint(0, CFG["vocab_size"], (2, 9)))
+    nodes = [n for t in _regions(cm, "local_recompute") for n in t.nodes]
+    assert not any("dropout" in n or "bernoulli" in n for n in nodes), nodes
