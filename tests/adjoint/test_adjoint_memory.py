@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradshard as gs
-from examples.models.ssm import SelectiveSSMLM, SSMConfig
+from examples.models.ssm import SCANS, LoopSSMLM, SelectiveSSMLM, SSMConfig
 
 from .helpers import assert_same_grads
 from .models import DiagonalSSM, init_like_training
@@ -27,7 +27,8 @@ def _lm(layers: int = 3, **extra) -> SelectiveSSMLM:
 
 
 def _saved_bytes(model: nn.Module, run, ids: torch.Tensor) -> int:
-    w = torch.randn(*ids.shape, CFG["vocab_size"], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    shape = (*ids.shape, CFG["vocab_size"]) if not ids.dtype.is_floating_point else ids.shape  # logits, or y -> y
+    w = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 
     def step(ids: torch.Tensor) -> None:
         model.zero_grad(set_to_none=True)
@@ -58,6 +59,41 @@ def test_lm_saves_only_layer_inputs_tail_input_and_checkpoints(batch, T, shard):
     assert cm.graph.adjoint_0.n_extra == 2  # the ids and the embedding table
     plain = _saved_bytes(model, gs.compile(model, plan="none"), ids)
     assert plain > 4 * saved
+
+
+_DECAYS = {"diagonal": {}, "scalar": {"n_heads": 2, "conv_kernel": 4}}
+
+
+@pytest.mark.parametrize("decay", sorted(_DECAYS))
+@pytest.mark.parametrize("scan", [*SCANS, "loop"])
+def test_every_scan_form_saves_only_layer_inputs_and_checkpoints(scan, decay):
+    """Vectorised scans fold the learned h0 into the first input (``u[:, :1] + a[:, :1] * h0``);
+    the region must still pull u's producers in and keep x (B, T, P), not u (B, T, N, P)."""
+    layers, batch, T, shard, P, N = 2, 2, 24, 8, CFG["d_model"], CFG["d_state"]
+    torch.manual_seed(0)
+    config = SSMConfig(**CFG, n_layers=layers, decay=decay, learn_initial_state=True,
+                       scan="gradshard" if scan == "loop" else scan, **_DECAYS[decay])
+    model = (LoopSSMLM if scan == "loop" else SelectiveSSMLM)(config).double()
+    cm = gs.compile(model, plan="adjoint", shard_size=shard)
+    ids = torch.randint(0, CFG["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(3))
+    saved = _saved_bytes(model, cm, ids)
+    n_ckpt = -(-T // shard) - 1
+    want = layers * batch * T * P * 8 + layers * n_ckpt * batch * N * P * 8  # as in the test above
+    assert saved == want, (scan, decay, saved, want)
+    vals = {n.name: n.meta.get("val") for n in cm.graph.graph.nodes}
+    for r in _regions(cm, "linear_recurrence"):  # no region reads u or a (N times the layer input)
+        sizes = {x: vals[x].numel() for x in r.inputs if isinstance(vals.get(x), torch.Tensor)}
+        assert max(sizes.values()) <= batch * T * P, (r.name, sizes)
+
+
+@pytest.mark.parametrize("scan", ["cumprod", "associative"])
+def test_folded_initial_state_keeps_what_the_kernel_form_keeps(scan):
+    def saved(form: str) -> int:
+        model = init_like_training(DiagonalSSM(d=6, n=4, layers=2, conv=True, h0=True, heads=2, scan=form))
+        y = torch.randn(3, 19, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        return _saved_bytes(model, gs.compile(model, plan="adjoint", shard_size=5), y)
+
+    assert saved(scan) == saved("gradshard")
 
 
 @pytest.mark.parametrize("plan,opts", [("adjoint", {"shard_size": 4}), ("truncated_adjoint", {"window": 64, "shard_size": 4})])
