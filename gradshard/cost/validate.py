@@ -121,9 +121,12 @@ def plan_applies(factory: Factory, plan: str, options: Mapping[str, Any], seq_le
 
 
 def validate_plan(name: str, factory: Factory, plan: str, options: Mapping[str, Any] | None = None,
-                  seq_lens: Sequence[int] | None = None, batch: int = 2, report: CostReport | None = None
-                  ) -> tuple[CostReport, list[ValidationRow], float]:
+                  seq_lens: Sequence[int] | None = None, batch: int = 2, report: CostReport | None = None,
+                  device: str | torch.device | None = None) -> tuple[CostReport, list[ValidationRow], float]:
     """Build the report (unless given) and compare it with measured steps at ``seq_lens``.
+
+    ``device``: where the measured steps run (``"cuda"``: peaks from the CUDA allocator); the
+    report is built from fake-tensor probes and does not depend on it.
 
     Returns ``(report, rows, seconds spent building the report)``.
     """
@@ -138,7 +141,7 @@ def validate_plan(name: str, factory: Factory, plan: str, options: Mapping[str, 
     probed = {(s.batch, s.seq_len) for s in report.probes}
     rows = []
     for t in seq_lens:
-        m = measure_step(factory, plan, options, t, batch)
+        m = measure_step(factory, plan, options, t, batch, device=device)
         v = report.evaluate(seq_len=t, batch=batch)
         flops = v["flops"]
         if plan == "spaco":  # measured with every chunk kept: compare with the all-chunk backward
