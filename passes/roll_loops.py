@@ -13,6 +13,9 @@ the state, and rewrites the graph::
              linear_scan(a_seq, u_seq, h0)             -> h_seq                   (one scan)
              run_rolled_body(readout, h_seq, r_seq)    -> y_seq                   (vmap over t)
 
+A stacked state itself (``hs.append(h)``, readout after the loop) is ``h_seq`` (moved to the
+stack dim), with no readout body: the scan's dims reach the readout after the loop.
+
 The linear forms accepted for the state update (``A``, ``U`` not depending on ``h``):
 ``A * h + U`` (either operand order, ``A`` a tensor or a number), ``addcmul(U, A, h)``,
 ``h + U`` (``A = 1``), ``A @ h + U`` / ``matmul``/``bmm``/matmul-shaped ``einsum`` (dense).
@@ -639,16 +642,23 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     for j, src, od in ro_outputs:
         rank = src.meta["val"].dim() + 1
         norm_outputs.append((j, src, od % rank))
+    # a stacked state (``hs.append(h)``) is the scan's output itself: no readout body for it, so
+    # the analyses see the scan's dims (state dims, time) on it and a readout after the loop
+    # (``einsum(c, stack(hs))``) joins the recurrence region like an in-loop readout does
+    body_outputs = [(j, src, od) for j, src, od in norm_outputs if src is not h_new_t]
     ro_nodes = [n for n in template if n in readout]
-    ro_in = [h_new_t] + readout_inputs + readout_invariants
-    ro_gm = _body_graph(ro_nodes, ro_in, [src for _, src, _ in norm_outputs])
-    ro_mod = RolledBody(ro_gm, [1] + [1] * len(readout_inputs) + [None] * len(readout_invariants),
-                        [od for _, _, od in norm_outputs], f"loop {index}: per-step readout")
+    ro_mod: Optional[RolledBody] = None
+    if body_outputs:
+        ro_in = [h_new_t] + readout_inputs + readout_invariants
+        ro_gm = _body_graph(ro_nodes, ro_in, [src for _, src, _ in body_outputs])
+        ro_mod = RolledBody(ro_gm, [1] + [1] * len(readout_inputs) + [None] * len(readout_invariants),
+                            [od for _, _, od in body_outputs], f"loop {index}: per-step readout")
     # ---- emit
     first_consumer = min(consumers, key=lambda c: order[c])
     prefix = f"loop{index}"
     gm.add_submodule(f"{prefix}_producers", prod_mod)
-    gm.add_submodule(f"{prefix}_readout", ro_mod)
+    if ro_mod is not None:
+        gm.add_submodule(f"{prefix}_readout", ro_mod)
     trace = h_new_t.meta.get("stack_trace")
     with graph.inserting_before(first_consumer):
         p_attr = graph.get_attr(f"{prefix}_producers")
@@ -680,16 +690,30 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
         if upd.kind == "dense" and upd.vector_state:
             h_seq = graph.call_function(aten.squeeze.dim, (scan, -1))
             h_seq.meta["val"] = fake_run(aten.squeeze.dim, (scan, -1))
-        r_attr = graph.get_attr(f"{prefix}_readout")
-        r_args = (r_attr, h_seq, *r_seqs, *readout_invariants)
-        r_node = graph.call_function(run_rolled_body, r_args)
-        r_node.meta["val"] = fake_run(lambda *a: ro_mod(*a), r_args[1:])
-        r_node.meta["stack_trace"] = next((n.meta.get("stack_trace") for n in ro_nodes if n.meta.get("stack_trace")), trace)
-        outs = []
-        for i in range(len(norm_outputs)):
-            gi = graph.call_function(operator.getitem, (r_node, i))
-            gi.meta["val"] = r_node.meta["val"][i]
-            outs.append(gi)
+        body_outs: list[fx.Node] = []
+        if ro_mod is not None:
+            r_attr = graph.get_attr(f"{prefix}_readout")
+            r_args = (r_attr, h_seq, *r_seqs, *readout_invariants)
+            r_node = graph.call_function(run_rolled_body, r_args)
+            r_node.meta["val"] = fake_run(lambda *a: ro_mod(*a), r_args[1:])
+            r_node.meta["stack_trace"] = next((n.meta.get("stack_trace") for n in ro_nodes if n.meta.get("stack_trace")),
+                                              trace)
+            for i in range(len(body_outputs)):
+                gi = graph.call_function(operator.getitem, (r_node, i))
+                gi.meta["val"] = r_node.meta["val"][i]
+                body_outs.append(gi)
+        outs = []  # one per entry of norm_outputs
+        next_body = iter(body_outs)
+        for _, src, od in norm_outputs:
+            if src is not h_new_t:
+                outs.append(next(next_body))
+            elif od == 1:  # the scan's layout: time at dim 1
+                outs.append(h_seq)
+            else:
+                moved = graph.call_function(aten.movedim.int, (h_seq, 1, od))
+                moved.meta["val"] = fake_run(aten.movedim.int, (h_seq, 1, od))
+                moved.meta["stack_trace"] = trace
+                outs.append(moved)
     # ---- rewire consumers
     pos = 0
     for j in out_locals:
@@ -716,8 +740,10 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
     for n in list(graph.nodes):
         if n.target is aten.unbind.int and not n.users:
             graph.erase_node(n)
+    tail = f" -> {prefix}_readout" if ro_mod is not None else ""
+    folded = " (the stacked states are the scan's output)" if len(body_outputs) < len(norm_outputs) else ""
     return (f"rolled loop {index}: {T} steps of a {upd.kind} recurrence "
-            f"({len(template)} nodes per step) into {prefix}_producers -> {scan.name} -> {prefix}_readout")
+            f"({len(template)} nodes per step) into {prefix}_producers -> {scan.name}{tail}{folded}")
 
 
 @graph_pass

@@ -160,3 +160,20 @@ def test_random_ops_are_never_recomputed():
     cm(torch.randint(0, CFG["vocab_size"], (2, 9)))
     nodes = [n for t in _regions(cm, "local_recompute") for n in t.nodes]
     assert not any("dropout" in n or "bernoulli" in n for n in nodes), nodes
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_loop_stacking_its_states_saves_what_the_kernel_form_saves(h0):
+    """``hs.append(h)`` in the loop and the readout (``einsum(c, stack(hs))``) after it: the stacked
+    states are the scan's output, so the readout joins the region and h (B, T, N, P) is not kept."""
+    def compiled(form: str):
+        model = init_like_training(DiagonalSSM(d=6, n=4, layers=2, h0=h0, scan=form))
+        return model, gs.compile(model, plan="adjoint", shard_size=16)
+
+    y = torch.randn(2, 64, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    (loop, cm), (kernel, cm_kernel) = compiled("loop"), compiled("gradshard")
+    assert _saved_bytes(loop, cm, y) == _saved_bytes(kernel, cm_kernel, y)
+    for r in _regions(cm, "linear_recurrence"):  # the readout is inside: the region returns (B, T, P)
+        assert any(n.startswith("einsum") for n in r.nodes), r.nodes
+    assert_same_grads(init_like_training(DiagonalSSM(d=5, n=3, layers=2, h0=h0, scan="loop")),
+                      (torch.randn(3, 13, 5, dtype=torch.float64),), shard_size=4)
