@@ -714,20 +714,15 @@ def run(devices: list[torch.device], dtypes: list[torch.dtype], quick: bool, rep
         scan_shapes, light_shapes = shapes[(device.type, quick)]
         for dtype in dtypes:
             log(f"== {dev} {dtype_name(dtype)}")
-            for shape in scan_shapes:
-                for backend in backends:
-                    time_cases(scan_cases(device, dtype, *shape, backend), device, dtype, device_reps, report, log)
-                if peers:
-                    time_cases(scan_peer_cases(device, dtype, *shape, report, log), device, dtype, device_reps,
-                               report, log)
-                _release(device)
-            for shape in light_shapes:
-                for backend in backends:
-                    time_cases(lightning_cases(device, dtype, *shape, backend), device, dtype, device_reps, report, log)
-                if peers:
-                    time_cases(lightning_peer_cases(device, dtype, *shape, report, log), device, dtype, device_reps,
-                               report, log)
-                _release(device)
+            for kernel_shapes, own_cases, peer_cases in ((scan_shapes, scan_cases, scan_peer_cases),
+                                                         (light_shapes, lightning_cases, lightning_peer_cases)):
+                for shape in kernel_shapes:
+                    for backend in backends:
+                        time_cases(own_cases(device, dtype, *shape, backend), device, dtype, device_reps, report, log)
+                    if peers:
+                        time_cases(peer_cases(device, dtype, *shape, report, log), device, dtype, device_reps,
+                                   report, log)
+                    _release(device)
     return report
 
 

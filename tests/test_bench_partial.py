@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import gradshard as gs
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_partial", ROOT / "bench" / "bench_partial.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_partial"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench_modules import load_bench
 
 
-bp = _load_bench()
+bp = load_bench("bench_partial")
 TINY = bp.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, intermediate_size=48,
                       batch=2, seq_len=12)
 

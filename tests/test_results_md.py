@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.bench_modules import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("results_md", ROOT / "bench" / "results_md.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["results_md"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rm = _load()
+rm = load_bench("results_md")
 DOC = ("# Benchmark results\n\n## A (issue 1)\n\nalpha\n\n### A.1\n\nsub\n\n"
        "## B (issue 2)\n\nold b\n\n### B.1\n\nold b1\n\n### B.2\n\nb2\n\n## C\n\ngamma\n")
 

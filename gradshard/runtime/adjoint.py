@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from gradshard.ir import Stage
 
-from .adjoint_respecialize import DimFact, respecialize
+from .adjoint_respecialize import DimFact, respecialize, shard_bounds, time_length
 from .adjoint_scan import recurrence_for
 from .truncated import TruncatedSweep
 
@@ -186,14 +186,10 @@ class AdjointRegion(nn.Module):
     # ---------------------------------------------------------------- calling
 
     def seq_len(self, inputs: Sequence[Tensor]) -> int:
-        for x, d in zip(inputs, self.io.input_time_dims):
-            if d is not None:
-                return int(x.shape[d])
-        raise RuntimeError(f"{self.region_name}: no region input carries the time axis")
+        return time_length(inputs, self.io.input_time_dims, f"{self.region_name}: no region input")
 
     def shards(self, T: int) -> list[tuple[int, int]]:
-        S = max(1, self.shard_size)
-        return [(s, min(s + S, T)) for s in range(0, T, S)] or [(0, 0)]
+        return shard_bounds(T, self.shard_size)
 
     def window_of(self, s: int, e: int, T: int) -> tuple[int, int]:
         lh, rh = self.io.halo

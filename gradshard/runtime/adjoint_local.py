@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gradshard.ir import Stage
 
-from .adjoint_respecialize import DimFact, respecialize
+from .adjoint_respecialize import DimFact, respecialize, shard_bounds, time_length
 
 __all__ = ["LocalSegment", "LocalSegmentFunction"]
 
@@ -73,14 +73,10 @@ class LocalSegment(nn.Module):
         return g
 
     def seq_len(self, inputs: Sequence[Tensor]) -> int:
-        for x, d in zip(inputs, self.input_time_dims):
-            if d is not None:
-                return int(x.shape[d])
-        raise RuntimeError(f"{self.region_name}: no segment input carries the time axis")
+        return time_length(inputs, self.input_time_dims, f"{self.region_name}: no segment input")
 
     def shards(self, T: int) -> list[tuple[int, int]]:
-        S = max(1, self.shard_size)
-        return [(s, min(s + S, T)) for s in range(0, T, S)] or [(0, 0)]
+        return shard_bounds(T, self.shard_size)
 
     def window(self, inputs: Sequence[Any], s: int, e: int) -> list[Any]:
         """Rows ``[s, e)`` of the time-carrying inputs (contiguous: the graph's views expect it)."""

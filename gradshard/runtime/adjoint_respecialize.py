@@ -32,7 +32,8 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-__all__ = ["DimFact", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate"]
+__all__ = ["DimFact", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate",
+           "time_length", "shard_bounds"]
 
 
 class RespecializeError(RuntimeError):
@@ -313,3 +314,17 @@ def _get_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def time_length(inputs: Sequence[Any], time_dims: Sequence[Optional[int]], who: str) -> int:
+    """Length of the time axis of the first input that carries one (``who`` names the caller)."""
+    for x, d in zip(inputs, time_dims):
+        if d is not None:
+            return int(x.shape[d])
+    raise RuntimeError(f"{who} carries the time axis")
+
+
+def shard_bounds(T: int, shard_size: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` covering ``[0, T)`` in shards of ``shard_size`` (one empty shard for T=0)."""
+    S = max(1, shard_size)
+    return [(s, min(s + S, T)) for s in range(0, T, S)] or [(0, 0)]

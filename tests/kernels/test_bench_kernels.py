@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import gradshard.kernels as gk
+from tests.bench_modules import load_bench
 from tests.interpreted import INTERPRETED, run_under_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU, F32, F64 = torch.device("cpu"), torch.float32, torch.float64
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "bench_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bk = _load_bench()
+bk = load_bench("bench_kernels")
 TINY = {("cpu", True): ([(2, 200, 3)], [(1, 2, 70, 16, 16, 16)])}
 
 
