@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ INTERPRETED: bool = interpreter_enabled()
 # (gradshard.distributed.testing) do exactly that; compiled launches need no lock. Reentrant:
 # scan_triton calls itself for the chunk summaries.
 _INTERPRETER_LOCK = threading.RLock()
+
+#: True while :func:`gradshard.kernels.triton.aot.record_launches` intercepts launches: launchers
+#: then run on CPU tensors without the interpreter and no kernel executes (ahead-of-time compiles).
+RECORDING_LAUNCHES: contextvars.ContextVar[bool] = contextvars.ContextVar("gs_recording_launches", default=False)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -98,6 +103,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def check_device(*tensors: torch.Tensor) -> None:
     """Raise clearly if the kernels cannot run on these tensors in this process."""
+    if RECORDING_LAUNCHES.get():
+        return
     for t in tensors:
         ensure_interpreter_consistent(INTERPRETED, t)
 
