@@ -56,6 +56,9 @@ def _adjoint_shard_kernel(
         u = tl.load(U + u_base + t[:, None] * su_t, mask=m2, other=0.0).to(ACC)
         a_cum, u_cum = tl.associative_scan((a, u), 0, affine_combine)
         h = tl.sum(tl.where(last, a_cum * h[None, :] + u_cum, 0.0), axis=0)
+    # Pass 2 reads checkpoints that other threads of this program may have stored (the store and
+    # the load use different layouts): a CTA barrier makes those global writes visible.
+    tl.debug_barrier()
     # Pass 2: tiles in reverse; rows of a tile in reversed time order for the adjoint scan.
     if HAS_LC:
         lam = tl.load(LC + pid_b * N + n, mask=nmask, other=0.0).to(ACC)

@@ -1,16 +1,25 @@
-"""Triton lightning attention: forward and backward, intra- and inter-chunk fused, state in and out.
+"""Triton lightning attention: forward and backward, chunk-parallel, state in and out.
 
 Formulas: :mod:`gradshard.kernels.lightning_torch` (same notation: M, Ms, P, Pp, Gam, Pe).
 The decay factors are built in registers by cumulative products (``tl.cumprod``), never by
 dividing or by exponentiating log-decay differences.
 
-* forward: grid (B*H, dv blocks). Each program walks its chunks left to right, keeping its
-  ``dk x BLOCK_V`` slice of the state in registers (columns of the state are independent);
-  it writes ``o`` and the final state.
-* backward: grid (B*H,). Loop 1 walks chunks left to right, saves the state entering each chunk
-  to a scratch buffer (``T / C`` states) and writes ``dq``; loop 2 walks them right to left with
-  the carried state gradient ``Gx`` (seeded with ``d final_state``) and writes ``dk``, ``dv``
-  and the per-step decay gradient; ``Gx`` at the end is ``d initial_state``.
+Every stage is parallel over chunks; the only sequential part, the chunk-to-chunk state
+recurrence ``S_{c+1} = Pe_c S_c + U_c``, is itself a diagonal linear scan and runs on
+:func:`gradshard.kernels.triton.scan.scan_triton` (over ``T / C`` steps, ``dk * dv`` channels):
+
+* forward: ``_chunk_outer_kernel`` writes every chunk's increment ``U_c = (Gam K_c)^T V_c`` and
+  ``Pe_c``; the scan gives the state after every chunk; ``_chunk_output_kernel`` writes
+  ``O_c = ((Q K^T) * M) V + (P Q_c) S_c`` (grid: chunks x heads x dv blocks).
+* backward: the same two steps rebuild the states entering each chunk; ``_chunk_outer_kernel``
+  with ``P`` weights gives ``W_c = (P Q_c)^T dO_c`` and a reverse scan seeded with ``dS_final``
+  gives the gradient ``Gx_c`` reaching each chunk's end (and ``dS_0``); ``_chunk_grad_kernel``
+  writes dQ, dK, dV and the per-step decay gradient of every chunk (grid: chunks x heads).
+
+So the GPU sees ``T / C * B * H`` programs instead of ``B * H`` walking ``T`` sequentially
+(the previous design: 16 programs on a 132-SM H100 at B=2, H=8). The price is the per-chunk
+states in global memory, ``T / C * dk * dv`` floats per head (as in flash-linear-attention's
+chunk kernels), freed when the call returns.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .layout import INTERPRETED, check_device, dot_precision, pow2, serialized_launch, tl_dtype
-
+from .scan import scan_triton
 
 @triton.jit
 def _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
@@ -53,15 +62,34 @@ def _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC: tl.constexpr, ACC: tl
 
 
 @triton.jit
-def _lightning_fwd_kernel(
-    Q, K, V, D, S0, O, SF,
-    T, H, DK, DV,
-    sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, so_b, so_h, so_t,
-    HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr,
+def _neighbour_state(BUF, EDGE, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask,
+                     STEP: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr):
+    """``BUF[bh, c + STEP]`` (a (B*H, NC, dk, dv) chunk-state buffer), or ``EDGE[bh]`` (or 0)
+    when ``c + STEP`` falls off the sequence: the state entering a chunk (STEP = -1, edge = S0)
+    or the gradient leaving it (STEP = +1, edge = dS_final)."""
+    inner = offs_k[:, None] * DV + offs_v[None, :]
+    bh = pid_bh.to(tl.int64)
+    j = tl.zeros_like(inner) + (pid_c + STEP)  # the neighbour's chunk index, as a tile (for masks)
+    inside = (j >= 0) & (j < NC)
+    jc = tl.minimum(tl.maximum(j, 0), NC - 1).to(tl.int64)
+    s = tl.load(BUF + (bh * NC + jc) * DK * DV + inner, mask=smask & inside, other=0.0).to(ACC)
+    if HAS_EDGE:
+        s += tl.load(EDGE + bh * DK * DV + inner, mask=smask & ((j < 0) | (j >= NC)), other=0.0).to(ACC)
+    return s
+
+
+@triton.jit
+def _chunk_outer_kernel(
+    X, Y, D, U, PE,
+    T, H, DK, DV, NC,
+    sx_b, sx_h, sx_t, sy_b, sy_h, sy_t, sd_b, sd_h, sd_t,
+    FROM_START: tl.constexpr, HAS_DECAY: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    """``U[bh, c] = (w X_c)^T Y_c`` with ``w = P`` (FROM_START) or ``Gam``, and ``PE[bh, c] = Pe_c``."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_c = tl.arange(0, BC)
@@ -69,109 +97,147 @@ def _lightning_fwd_kernel(
     offs_v = pid_v * BV + tl.arange(0, BV)
     kmask = offs_k < DK
     vmask = offs_v < DV
-    s_ptr = (b * H + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    smask = kmask[:, None] & vmask[None, :]
-    if HAS_S0:
-        s = tl.load(S0 + s_ptr, mask=smask, other=0.0).to(ACC)
+    t = (pid_c * BC + offs_c).to(tl.int64)
+    tmask = t < T
+    x = tl.load(X + b * sx_b + h * sx_h + t[:, None] * sx_t + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(ACC)
+    y = tl.load(Y + b * sy_b + h * sy_h + t[:, None] * sy_t + offs_v[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0).to(ACC)
+    m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
+    if FROM_START:
+        w = p
     else:
-        s = tl.zeros([BK, BV], dtype=ACC)
-    q_base = b * sq_b + h * sq_h
-    v_base = b * sv_b + h * sv_h
-    d_off = b * sd_b + h * sd_h
-    for c0 in range(0, T, BC):
-        t = (c0 + offs_c).to(tl.int64)
-        tmask = t < T
-        q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(ACC)
-        k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(ACC)
-        v = tl.load(V + v_base + t[:, None] * sv_t + offs_v[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0).to(ACC)
-        m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * m
-        o = tl.dot(scores, v, input_precision=PREC) + tl.dot(q * p[:, None], s, input_precision=PREC)
-        tl.store(O + b * so_b + h * so_h + t[:, None] * so_t + offs_v[None, :], o, mask=tmask[:, None] & vmask[None, :])
-        s = pe * s + tl.dot(tl.trans(k * gam[:, None]), v, input_precision=PREC)
-    tl.store(SF + s_ptr, s, mask=smask)
+        w = gam
+    u = tl.dot(tl.trans(x * w[:, None]), y, input_precision=PREC)
+    u_ptr = U + (pid_bh.to(tl.int64) * NC + pid_c) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    tl.store(u_ptr, u, mask=kmask[:, None] & vmask[None, :])
+    if pid_v == 0:
+        tl.store(PE + pid_bh.to(tl.int64) * NC + pid_c, pe)
 
 
 @triton.jit
-def _lightning_bwd_kernel(
-    Q, K, V, D, S0, DO, DS, DQ, DK_, DV_, DD, DS0, SCR,
+def _chunk_output_kernel(
+    Q, K, V, D, SA, S0, O,
+    T, H, DK, DV, NC,
+    sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, so_b, so_h, so_t,
+    HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """``O_c = ((Q K^T) * M) V + (P Q_c) S_c``, ``S_c`` read from the chunk-state scan ``SA``."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    kmask = offs_k < DK
+    vmask = offs_v < DV
+    t = (pid_c * BC + offs_c).to(tl.int64)
+    tmask = t < T
+    qk_mask = tmask[:, None] & kmask[None, :]
+    v_mask = tmask[:, None] & vmask[None, :]
+    q_base = b * sq_b + h * sq_h
+    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    v = tl.load(V + b * sv_b + h * sv_h + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
+    s = _neighbour_state(SA, S0, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, kmask[:, None] & vmask[None, :],
+                         -1, HAS_S0, ACC)
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * m
+    o = tl.dot(scores, v, input_precision=PREC) + tl.dot(q * p[:, None], s, input_precision=PREC)
+    tl.store(O + b * so_b + h * so_h + t[:, None] * so_t + offs_v[None, :], o, mask=v_mask)
+
+
+@triton.jit
+def _chunk_grad_kernel(
+    Q, K, V, D, DO, SA, S0, RA, DS, DQ, DK_, DV_, DD,
     T, H, DK, DV, NC,
     sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
     HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr, HAS_DS: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
+    """dQ, dK, dV and the per-step decay gradient of one chunk, from the state entering it
+    (``SA``, edge ``S0``) and the gradient reaching its end (``RA``, edge ``DS``).
+
+    The value dimension is walked in ``BV`` blocks (so a 128 x 128 state never sits in one
+    tile): each block adds its share of ``dO V^T``, of the state terms of dQ and dK and of the
+    decay-gradient sums, and writes its slice of dV.
+    """
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
     kmask = offs_k < DK
-    vmask = offs_v < DV
-    s_ptr = (b * H + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    smask = kmask[:, None] & vmask[None, :]
-    scr = SCR + pid_bh.to(tl.int64) * NC * BK * BV + offs_k[:, None] * BV + offs_v[None, :]
+    t = (pid_c * BC + offs_c).to(tl.int64)
+    tmask = t < T
+    qk_mask = tmask[:, None] & kmask[None, :]
     q_base = b * sq_b + h * sq_h
     v_base = b * sv_b + h * sv_h
     d_off = b * sd_b + h * sd_h
-    if HAS_S0:
-        s = tl.load(S0 + s_ptr, mask=smask, other=0.0).to(ACC)
-    else:
-        s = tl.zeros([BK, BV], dtype=ACC)
-    # Loop 1 (left to right): save entering states, dQ = ((dO V^T) * M) K + (P dO) S_c^T.
-    for ci in range(0, NC):
-        t = (ci * BC + offs_c).to(tl.int64)
-        tmask = t < T
-        qk_mask = tmask[:, None] & kmask[None, :]
+    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    qkm_t = tl.trans(qk * m)
+    dov = tl.zeros([BC, BC], dtype=ACC)      # dO V^T
+    dq_s = tl.zeros([BC, BK], dtype=ACC)     # (P dO) S_c^T
+    dk_g = tl.zeros([BC, BK], dtype=ACC)     # V Gx^T
+    w = tl.zeros([BC], dtype=ACC)            # w_s = q_s S_c do_s^T
+    z = tl.zeros([BC], dtype=ACC)            # z_j = k_j Gx v_j^T
+    sg = tl.zeros([BK], dtype=ACC)           # <Gx, S_c>, by rows of the state
+    for v0 in tl.range(0, DV, BV, num_stages=1):  # no software pipelining: it would multiply the shared memory
+        offs_v = v0 + tl.arange(0, BV)
+        vmask = offs_v < DV
+        smask = kmask[:, None] & vmask[None, :]
         v_mask = tmask[:, None] & vmask[None, :]
-        tl.store(scr + ci * BK * BV, s)
-        k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
         v = tl.load(V + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
         do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
-        m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
-        dov = tl.dot(do, tl.trans(v), input_precision=PREC) * m
-        dq = tl.dot(dov, k, input_precision=PREC) + tl.dot(do * p[:, None], tl.trans(s), input_precision=PREC)
-        tl.store(DQ + q_base + t[:, None] * sq_t + offs_k[None, :], dq, mask=qk_mask)
-        s = pe * s + tl.dot(tl.trans(k * gam[:, None]), v, input_precision=PREC)
-    # Loop 2 (right to left): dK, dV, d decay; Gx carries dL/dS at the chunk end.
-    if HAS_DS:
-        gx = tl.load(DS + s_ptr, mask=smask, other=0.0).to(ACC)
-    else:
-        gx = tl.zeros([BK, BV], dtype=ACC)
-    for r in range(0, NC):
-        ci = NC - 1 - r
-        t = (ci * BC + offs_c).to(tl.int64)
-        tmask = t < T
-        qk_mask = tmask[:, None] & kmask[None, :]
-        v_mask = tmask[:, None] & vmask[None, :]
-        s = tl.load(scr + ci * BK * BV)
-        q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-        k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-        v = tl.load(V + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
-        do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
-        m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        dov = tl.dot(do, tl.trans(v), input_precision=PREC)
-        dk = tl.dot(tl.trans(dov * m), q, input_precision=PREC) + gam[:, None] * tl.dot(v, tl.trans(gx), input_precision=PREC)
-        dv = tl.dot(tl.trans(qk * m), do, input_precision=PREC) + gam[:, None] * tl.dot(k, gx, input_precision=PREC)
-        tl.store(DK_ + q_base + t[:, None] * sq_t + offs_k[None, :], dk, mask=qk_mask)
+        s = _neighbour_state(SA, S0, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, -1, HAS_S0, ACC)
+        gx = _neighbour_state(RA, DS, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, 1, HAS_DS, ACC)
+        dov += tl.dot(do, tl.trans(v), input_precision=PREC)
+        dq_s += tl.dot(do * p[:, None], tl.trans(s), input_precision=PREC)
+        dk_g += tl.dot(v, tl.trans(gx), input_precision=PREC)
+        k_gx = tl.dot(k, gx, input_precision=PREC)
+        dv = tl.dot(qkm_t, do, input_precision=PREC) + gam[:, None] * k_gx
         tl.store(DV_ + v_base + t[:, None] * sv_t + offs_v[None, :], dv, mask=v_mask)
         if HAS_DECAY:
-            ms, pp = _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC, ACC)
-            w = tl.sum(tl.dot(q, s, input_precision=PREC) * do, axis=1)
-            z = tl.sum(tl.dot(k, gx, input_precision=PREC) * v, axis=1)
-            t1 = pp * tl.sum(m * w[:, None], axis=0)
-            t2 = pp * gam * tl.sum(tl.sum(gx * s, axis=1), axis=0)
-            t3 = gam * tl.sum(ms * z[None, :], axis=1)
-            t4 = tl.sum(m * tl.dot(qk * dov, tl.trans(ms), input_precision=PREC), axis=0)
-            tl.store(DD + pid_bh.to(tl.int64) * T + t, t1 + t2 + t3 + t4, mask=tmask)
-        gx = pe * gx + tl.dot(tl.trans(q * p[:, None]), do, input_precision=PREC)
-    tl.store(DS0 + s_ptr, gx, mask=smask)
+            w += tl.sum(tl.dot(q, s, input_precision=PREC) * do, axis=1)
+            z += tl.sum(k_gx * v, axis=1)
+            sg += tl.sum(gx * s, axis=1)
+    dovm = dov * m
+    dq = tl.dot(dovm, k, input_precision=PREC) + dq_s
+    dk = tl.dot(tl.trans(dovm), q, input_precision=PREC) + gam[:, None] * dk_g
+    tl.store(DQ + q_base + t[:, None] * sq_t + offs_k[None, :], dq, mask=qk_mask)
+    tl.store(DK_ + q_base + t[:, None] * sq_t + offs_k[None, :], dk, mask=qk_mask)
+    if HAS_DECAY:
+        ms, pp = _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC, ACC)
+        t1 = pp * tl.sum(m * w[:, None], axis=0)
+        t2 = pp * gam * tl.sum(sg, axis=0)
+        t3 = gam * tl.sum(ms * z[None, :], axis=1)
+        t4 = tl.sum(m * tl.dot(qk * dov, tl.trans(ms), input_precision=PREC), axis=0)
+        tl.store(DD + pid_bh.to(tl.int64) * T + t, t1 + t2 + t3 + t4, mask=tmask)
 
 
-def _block_c(chunk_size: int) -> int:
-    """Kernel chunk: the requested chunk rounded to a power of two in [16, 128] (results do not depend on it)."""
-    return min(128, pow2(chunk_size)) if not INTERPRETED else min(32, pow2(chunk_size))
+def _block_c(chunk_size: int, dk: int, acc: torch.dtype) -> int:
+    """Kernel chunk: the requested chunk rounded to a power of two in [16, 128]; at most 32 for
+    heads wider than 64 or float64, which keeps the backward within an A100's 163 KiB of shared
+    memory (bench/bench_kernel_compile.py). Results do not depend on it."""
+    if INTERPRETED:
+        return min(32, pow2(chunk_size))
+    return min(128 if pow2(dk) <= 64 and acc != torch.float64 else 32, pow2(chunk_size))
+
+
+def _block_v(dv: int) -> int:
+    """dv block: a grid dimension of the forward kernels, a loop in the backward one. The
+    interpreter uses the smallest block so that tests with dv > 16 cover both."""
+    return 16 if INTERPRETED else min(pow2(dv), 64)
+
+
+#: Warps per program. With 4, the ahead-of-time compile (bench/bench_kernel_compile.py) showed the
+#: float32 backward spilling 3-25 KB per thread at d=64; with 8 it spills at most ~3 KB.
+NUM_WARPS = 8
 
 
 def _decay_args(decay: Optional[torch.Tensor], like: torch.Tensor):
@@ -179,6 +245,37 @@ def _decay_args(decay: Optional[torch.Tensor], like: torch.Tensor):
     if decay is None:
         return like, (0, 0, 0)
     return decay, tuple(decay.stride())
+
+
+def _scan_chunks(x: torch.Tensor, y: torch.Tensor, decay: Optional[torch.Tensor], edge: Optional[torch.Tensor],
+                 bc: int, acc: torch.dtype, *, reverse: bool) -> torch.Tensor:
+    """Every chunk's increment ``(w X_c)^T Y_c`` scanned over chunks by ``S <- Pe_c S + increment``.
+
+    Forward (``w = Gam``, X = K, Y = V): the state after every chunk, seeded with S0.
+    Reverse (``w = P``, X = Q, Y = dO): the gradient entering every chunk's start, seeded with
+    dS_final. Returns (B*H, NC, dk*dv) in ``acc``.
+    """
+    b, h, length, dk = x.shape
+    dv = y.shape[-1]
+    nc = triton.cdiv(length, bc)
+    bk, bv = pow2(dk), _block_v(dv)
+    inc = torch.empty((b * h, nc, dk, dv), dtype=acc, device=x.device)
+    pe = torch.empty((b * h, nc), dtype=acc, device=x.device)
+    d_t, d_s = _decay_args(decay, x)
+    _chunk_outer_kernel[(nc, b * h, triton.cdiv(dv, bv))](
+        x, y, d_t, inc, pe, length, h, dk, dv, nc,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), *d_s,
+        FROM_START=reverse, HAS_DECAY=decay is not None, BC=bc, BK=bk, BV=bv, ACC=tl_dtype(acc),
+        PREC=dot_precision(x.dtype), num_warps=NUM_WARPS,
+    )
+    seed = None if edge is None else edge.reshape(b * h, dk * dv)
+    return scan_triton(pe.unsqueeze(-1), inc.view(b * h, nc, dk * dv), seed, reverse=reverse, out_dtype=acc)
+
+
+def _empty_sequence_state(edge: Optional[torch.Tensor], shape: tuple[int, ...], acc: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+    """T = 0: the state passes through unchanged (or is 0)."""
+    return torch.zeros(shape, dtype=acc, device=device) if edge is None else edge.to(acc).clone()
 
 
 @serialized_launch
@@ -189,21 +286,23 @@ def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.d
     dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty((b, h, length, dv), dtype=out_dtype, device=q.device)
-    final = torch.empty((b, h, dk, dv), dtype=acc, device=q.device)
     s0c = None if s0 is None else s0.contiguous()
-    if b * h == 0:
-        return o, final
+    if b * h == 0 or length == 0:
+        return o, _empty_sequence_state(s0c, (b, h, dk, dv), acc, q.device)
+    bc = _block_c(chunk_size, dk, acc)
+    after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)
+    nc = after.shape[1]
     d_t, d_s = _decay_args(decay, q)
-    bk = pow2(dk)
-    bv = min(pow2(dv), 64) if not INTERPRETED else pow2(dv)
-    grid = (b * h, triton.cdiv(dv, bv))
-    _lightning_fwd_kernel[grid](
-        q, k, v, d_t, s0c if s0c is not None else final, o, final, length, h, dk, dv,
+    bk, bv = pow2(dk), _block_v(dv)
+    _chunk_output_kernel[(nc, b * h, triton.cdiv(dv, bv))](
+        q, k, v, d_t, after, s0c if s0c is not None else after, o, length, h, dk, dv, nc,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), *d_s,
         o.stride(0), o.stride(1), o.stride(2),
-        HAS_DECAY=decay is not None, HAS_S0=s0c is not None, BC=_block_c(chunk_size), BK=bk, BV=bv,
-        ACC=tl_dtype(acc), PREC=dot_precision(q.dtype),
+        HAS_DECAY=decay is not None, HAS_S0=s0c is not None, BC=bc, BK=bk, BV=bv,
+        ACC=tl_dtype(acc), PREC=dot_precision(q.dtype), num_warps=NUM_WARPS,
     )
+    # A copy, not a view: a view would keep every chunk's state alive with the output.
+    final = after[:, -1].reshape(b, h, dk, dv).clone()
     return o, final
 
 
@@ -219,21 +318,22 @@ def lightning_bwd_triton(q, k, v, decay, s0, do, ds, chunk_size: int, acc: torch
     do = do.to(v.dtype).contiguous()
     dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dd = None if decay is None else torch.empty((b, h, length), dtype=acc, device=q.device)
-    ds0 = torch.empty((b, h, dk, dv), dtype=acc, device=q.device)
-    if b * h == 0:
-        return dq, dk_, dv_, dd, ds0
-    bc, bk, bv = _block_c(chunk_size), pow2(dk), pow2(dv)
-    nc = triton.cdiv(length, bc)
-    scratch = torch.empty((b * h, max(nc, 1), bk, bv), dtype=acc, device=q.device)
-    d_t, d_s = _decay_args(decay, q)
     s0c = None if s0 is None else s0.contiguous()
     dsc = None if ds is None else ds.contiguous()
-    _lightning_bwd_kernel[(b * h,)](
-        q, k, v, d_t, s0c if s0c is not None else ds0, do, dsc if dsc is not None else ds0,
-        dq, dk_, dv_, dd if dd is not None else ds0, ds0, scratch,
-        length, h, dk, dv, nc,
+    if b * h == 0 or length == 0:
+        return dq, dk_, dv_, dd, _empty_sequence_state(dsc, (b, h, dk, dv), acc, q.device)
+    bc = _block_c(chunk_size, dk, acc)
+    after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)
+    grads = _scan_chunks(q, do, decay, dsc, bc, acc, reverse=True)
+    nc = after.shape[1]
+    d_t, d_s = _decay_args(decay, q)
+    bk, bv = pow2(dk), _block_v(dv)
+    _chunk_grad_kernel[(nc, b * h)](
+        q, k, v, d_t, do, after, s0c if s0c is not None else after, grads, dsc if dsc is not None else grads,
+        dq, dk_, dv_, dd if dd is not None else grads, length, h, dk, dv, nc,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), *d_s,
         HAS_DECAY=decay is not None, HAS_S0=s0c is not None, HAS_DS=dsc is not None,
-        BC=bc, BK=bk, BV=bv, ACC=tl_dtype(acc), PREC=dot_precision(q.dtype),
+        BC=bc, BK=bk, BV=bv, ACC=tl_dtype(acc), PREC=dot_precision(q.dtype), num_warps=NUM_WARPS,
     )
+    ds0 = grads[:, 0].reshape(b, h, dk, dv).clone()
     return dq, dk_, dv_, dd, ds0

@@ -120,6 +120,25 @@ else:
             assert (x is None) == (y is None)
             assert x is None or rel(x, y) <= tol(F64)
 
+    @pytest.mark.parametrize("length", [0, 45])
+    def test_lightning_wide_heads_span_several_dv_blocks(length):
+        """dk=18, dv=20: the forward grid splits dv into 16-wide blocks under the interpreter."""
+        g = torch.Generator().manual_seed(3)
+        q, k = (torch.randn(2, 3, length, 18, generator=g, dtype=F64) for _ in range(2))
+        v, do = (torch.randn(2, 3, length, 20, generator=g, dtype=F64) for _ in range(2))
+        s0, ds = (torch.randn(2, 3, 18, 20, generator=g, dtype=F64) for _ in range(2))
+        d = 0.3 + 0.7 * torch.rand(2, 3, length, generator=g, dtype=F64)
+        got = lightning_fwd_triton(q, k, v, d, s0, 16, F64, F64)
+        ref = lightning_fwd_torch(q, k, v, d, s0, 16, F64) if length else (v.clone(), s0.clone())
+        assert all(x.shape == y.shape and rel(x, y) <= tol(F64) for x, y in zip(got, ref))
+        if length:
+            got = lightning_bwd_triton(q, k, v, d, s0, do, ds, 16, F64)
+            ref = lightning_bwd_torch(q, k, v, d, s0, do, ds, 16, F64)
+            assert all(rel(x, y) <= tol(F64) for x, y in zip(got, ref))
+        else:
+            *_, ds0 = lightning_bwd_triton(q, k, v, d, s0, do, ds, 16, F64)
+            assert torch.equal(ds0, ds)
+
     def test_lightning_op_autograd_on_triton_backend():
         q, k, v, d, s0, do, ds = lightning_inputs(2, 21, "steps")
         d = d.clone()
