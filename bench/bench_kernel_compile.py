@@ -26,7 +26,7 @@ import torch
 import triton
 
 from gradshard.kernels.triton.adjoint import adjoint_shard_triton
-from gradshard.kernels.triton.aot import CompiledVariant, compile_all
+from gradshard.kernels.triton.aot import SM_LIMITS, CompiledVariant, compile_all
 from gradshard.kernels.triton.lightning import lightning_bwd_triton, lightning_fwd_triton
 from gradshard.kernels.triton.scan import scan_triton
 
@@ -102,16 +102,41 @@ def all_cases() -> dict[str, Callable[[], Any]]:
 
 
 def render(rows: list[tuple[str, CompiledVariant]]) -> list[str]:
-    lines = [
-        "| case | kernel variant | arch | warps | grid | regs | shared | spill | occupancy |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """Markdown table: one row per (case, variant), one column group per architecture."""
+    archs = sorted({r.arch for _, r in rows}, reverse=True)
+    by_key: dict[tuple[str, str], dict[int, CompiledVariant]] = {}
     for case, r in rows:
-        lines.append(
-            f"| {case} | `{r.variant}` | sm_{r.arch} | {r.num_warps} | {'x'.join(map(str, r.grid))} | "
-            f"{r.registers} | {r.shared_bytes / 1024:.1f} KiB | {r.spill_bytes} B | {r.occupancy:.0%} |"
-        )
+        by_key.setdefault((case, r.variant), {})[r.arch] = r
+    head = "| case | kernel variant | grid | warps | " + " | ".join(
+        f"sm_{a} regs / shared / spill / occupancy" for a in archs) + " |"
+    lines = [head, "|" + "---|" * (4 + len(archs))]
+    for (case, variant), per_arch in by_key.items():
+        first = next(iter(per_arch.values()))
+        cells = [
+            f"{r.registers} / {r.shared_bytes / 1024:.0f} KiB / {r.spill_bytes} B / {r.occupancy:.0%}"
+            if (r := per_arch.get(a)) else "" for a in archs
+        ]
+        lines.append(f"| {case} | `{variant}` | {'x'.join(map(str, first.grid))} | {first.num_warps} | "
+                     + " | ".join(cells) + " |")
     return lines
+
+
+def summarize(rows: list[tuple[str, CompiledVariant]]) -> list[str]:
+    """Per architecture: the largest shared memory and spill against the SM's limit."""
+    out = []
+    for arch in sorted({r.arch for _, r in rows}, reverse=True):
+        mine = [r for _, r in rows if r.arch == arch]
+        worst_shared = max(mine, key=lambda r: r.shared_bytes)
+        worst_spill = max(mine, key=lambda r: r.spill_bytes)
+        limit = SM_LIMITS[arch]["shared_per_block"]
+        out.append(
+            f"- sm_{arch}: {len(mine)} variants compiled; largest shared memory {worst_shared.shared_bytes / 1024:.0f} KiB "
+            f"(`{worst_shared.variant.split('[')[0]}`; the SM allows {limit / 1024:.0f} KiB per block"
+            f"{', EXCEEDED' if worst_shared.shared_bytes > limit else ''}); "
+            f"{sum(1 for r in mine if r.spill_bytes)} spill, worst {worst_spill.spill_bytes} B per thread "
+            f"(`{worst_spill.variant.split('[')[0]}`)."
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,24 +147,25 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = compile_all(all_cases(), tuple(args.arch))
     lines = render(rows)
-    print("\n".join(lines))
-    spills = [r for _, r in rows if r.spill_bytes]
-    took = time.perf_counter() - start
-    print(f"\n{len(rows)} variants compiled in {took:.0f} s; {len(spills)} spill to local memory.")
+    summary = summarize(rows)
+    print("\n".join(lines + [""] + summary))
+    print(f"({time.perf_counter() - start:.0f} s)")
     if args.results:
-        from results_md import replace_section
+        from results_md import write_subsection
 
-        header = [
-            f"Ahead-of-time compile of every Triton kernel variant the launchers produce at T = 16K, "
-            f"with triton {triton.__version__} / torch {torch.__version__} on {platform.processor() or platform.machine()} "
-            f"(no GPU: `python bench/bench_kernel_compile.py --results`). Registers, shared memory and spill "
-            f"(local memory) from `cuobjdump -res-usage` of the cubin; occupancy is theoretical (warps resident / "
-            f"max warps per SM). These are static facts about the binaries a GPU would run, not timings.",
+        body = [
+            f"Every Triton kernel variant the launchers produce at T = 16K (Mamba-sized scans, lightning "
+            f"heads of 64 and 128, float32/bfloat16/float16/float64), compiled to cubins on a CPU-only machine "
+            f"({platform.processor() or platform.machine()}) with triton {triton.__version__}'s bundled ptxas; "
+            f"registers, shared memory and spill (local memory + stack, bytes per thread) from `cuobjdump "
+            f"-res-usage`; occupancy is theoretical (resident warps / max warps per SM). Static facts about "
+            f"the binaries a GPU would run, not timings. Command: `python bench/bench_kernel_compile.py --results`.",
             "",
+            *summary,
+            "",
+            *lines,
         ]
-        footer = ["", f"{len(rows)} variants, {len(spills)} with spills."]
-        replace_section(Path(__file__).with_name("RESULTS.md"), "Kernels compiled for sm_80 / sm_90 (no GPU)",
-                        header + lines + footer)
+        write_subsection("Kernels (issue 7)", "Compiled for sm_80 / sm_90 without a GPU", "\n".join(body))
     return 0
 
 

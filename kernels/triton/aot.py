@@ -36,12 +36,13 @@ from triton.runtime.jit import JITFunction
 
 from .layout import INTERPRETED, RECORDING_LAUNCHES
 
-#: Per-SM limits used for the theoretical occupancy (CUDA occupancy calculator values).
+#: Per-SM limits used for the theoretical occupancy (CUDA occupancy calculator values), and the
+#: most shared memory one block may opt into (``shared_per_block``; a launch above it fails).
 SM_LIMITS: dict[int, dict[str, int]] = {
-    80: dict(registers=65536, shared=167936, warps=64, blocks=32),
-    86: dict(registers=65536, shared=102400, warps=48, blocks=16),
-    89: dict(registers=65536, shared=102400, warps=48, blocks=24),
-    90: dict(registers=65536, shared=233472, warps=64, blocks=32),
+    80: dict(registers=65536, shared=167936, shared_per_block=166912, warps=64, blocks=32),
+    86: dict(registers=65536, shared=102400, shared_per_block=101376, warps=48, blocks=16),
+    89: dict(registers=65536, shared=102400, shared_per_block=101376, warps=48, blocks=24),
+    90: dict(registers=65536, shared=233472, shared_per_block=232448, warps=64, blocks=32),
 }
 
 
