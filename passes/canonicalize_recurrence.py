@@ -15,6 +15,9 @@ dim 1 and back::
     before:  u' = cat([u[:, :1] + a[:, :1] * h0.unsqueeze(1), u[:, 1:]], 1); h = scan(a, u')
     after:   h = linear_scan(a, u, h0, False, None)        (:mod:`.recurrence_fold`)
 
+    before:  A = cumsum(log_a, 1); h = exp(A + logcumsumexp(log_u - A, 1))
+    after:   h = linear_scan(exp(log_a), exp(log_u))       (:mod:`.recurrence_logspace`)
+
 Later passes then see one scan node per recurrence, and the time analysis is recomputed on
 a graph without the scan's internals (whose many equal-sized pieces can otherwise make
 the dims analysis conflate the time axis with other axes of the same size). The numbers
@@ -35,40 +38,13 @@ from gradshard.pipeline import PassContext, PassResult, graph_pass
 from . import recurrence_ops
 from .detect_recurrence import ScanSite, find_scan_sites
 from .recurrence_fold import FoldedInitialState, emit_initial_state, match_folded_initial_state
-from .recurrence_graph import copy_graph_module, fake_run, live_nodes
+from .recurrence_logspace import rewrite_heinsen_scans
+from .recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
 from .recurrence_normalize import unmerge_matmuls
 
 aten = torch.ops.aten
 
 __all__ = ["canonicalize_recurrences"]
-
-
-def _emit(graph: fx.Graph, target, args, trace=None) -> fx.Node:
-    n = graph.call_function(target, args)
-    n.meta["val"] = fake_run(target, args)
-    if trace:
-        n.meta["stack_trace"] = trace
-    return n
-
-
-def _to_time1(graph: fx.Graph, x: fx.Node, td: int, rank: int, trace) -> fx.Node:
-    if x.meta["val"].dim() < rank:
-        shape = [1] * (rank - x.meta["val"].dim()) + list(x.meta["val"].shape)
-        x = _emit(graph, aten.reshape.default, (x, shape), trace)
-    if td == 1:
-        return x
-    perm = list(range(rank))
-    perm.insert(1, perm.pop(td))
-    return _emit(graph, aten.permute.default, (x, perm), trace)
-
-
-def _from_time1(graph: fx.Graph, x: fx.Node, td: int, rank: int, trace) -> fx.Node:
-    if td == 1:
-        return x
-    perm = list(range(rank))
-    perm.insert(1, perm.pop(td))
-    inv = [perm.index(i) for i in range(rank)]
-    return _emit(graph, aten.permute.default, (x, inv), trace)
 
 
 @dataclass(frozen=True)
@@ -108,7 +84,7 @@ def _drop_shape_read(graph: fx.Graph, a: Optional[fx.Node], trace) -> Optional[f
     """``expand_as(x, y)`` as ``expand(x, shape)``: ``a`` must not keep the folded input alive."""
     if a is None or a.target is not aten.expand_as.default:
         return a
-    return _emit(graph, aten.expand.default, (a.args[0], list(a.meta["val"].shape)), trace)
+    return emit_node(graph, aten.expand.default, (a.args[0], list(a.meta["val"].shape)), trace)
 
 
 def _unfold_scan_op(gm: fx.GraphModule, site: ScanSite, fold: FoldedInitialState) -> str:
@@ -146,25 +122,25 @@ def _rewrite(gm: fx.GraphModule, site: ScanSite) -> str:
     with graph.inserting_before(h):
         if unfold is not None:
             a = _drop_shape_read(graph, a, trace)
-        u1 = _to_time1(graph, u, td, rank, trace)
+        u1 = time_to_dim1(graph, u, td, rank, trace)
         if a is None:
             # u-shaped (not broadcast) so the time analysis sees the scan's time axis on `a`
-            a1 = _emit(graph, aten.ones_like.default, (u1,), trace)
+            a1 = emit_node(graph, aten.ones_like.default, (u1,), trace)
         else:
-            a1 = _to_time1(graph, a, td, rank, trace)
+            a1 = time_to_dim1(graph, a, td, rank, trace)
         # state dims keep their order when time moves to dim 1, so h0 needs no permute
         h0 = None if unfold is None else emit_initial_state(graph, unfold.fold, tuple(u.meta["val"].shape), td, trace)
         if site.kind == "dense":
-            scan = _emit(graph, torch.ops.gradshard.dense_linear_scan.default, (a1, u1, h0), trace)
+            scan = emit_node(graph, torch.ops.gradshard.dense_linear_scan.default, (a1, u1, h0), trace)
         else:
-            scan = _emit(graph, torch.ops.gradshard.linear_scan.default, (a1, u1, h0, False, None), trace)
+            scan = emit_node(graph, torch.ops.gradshard.linear_scan.default, (a1, u1, h0, False, None), trace)
         scan.meta["gs_written_as"] = site.written_as
-        out = _from_time1(graph, scan, td, rank, trace)
+        out = time_from_dim1(graph, scan, td, rank, trace)
         if unfold is not None and unfold.perm is not None:
-            out = _emit(graph, aten.permute.default, (out, unfold.perm), trace)
+            out = emit_node(graph, aten.permute.default, (out, unfold.perm), trace)
     if out.meta["val"].dtype != h.meta["val"].dtype:
         with graph.inserting_before(h):
-            out = _emit(graph, aten._to_copy.default, (out,), trace)
+            out = emit_node(graph, aten._to_copy.default, (out,), trace)
     h.replace_all_uses_with(out)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for name in sorted((c for c in site.covered if c in nodes), key=lambda x: -order[nodes[x]]):
@@ -185,12 +161,17 @@ def canonicalize_recurrences(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     new = copy_graph_module(gm)
     new.graph.eliminate_dead_code()
     merged = unmerge_matmuls(new)
+    # Before the other forms: a log-space scan's cumsum(log a) would otherwise be taken for a
+    # scan of its own (a = 1); once rewritten, that cumsum is dead and its site is skipped.
+    heinsen = rewrite_heinsen_scans(new, {name: info.time_dims for name, info in tl.info.items()})
     nodes = {n.name: n for n in new.graph.nodes}
-    sites = [s for s in found if len(s.covered) > 1 or s.written_as == "cumsum" or _fold_of(nodes, s) is not None]
-    if not sites and not merged:
+    sites = [s for s in found if s.h in nodes and (
+        len(s.covered) > 1 or s.written_as == "cumsum" or _fold_of(nodes, s) is not None)]
+    if not sites and not merged and not heinsen:
         return PassResult(gm, notes=("scans already canonical",))
     live = live_nodes(new)
     notes = [f"restored {merged} matmul(s) decomposed over merged batch*time rows"] if merged else []
+    notes += heinsen
     for site in sites:
         if site.h not in {n.name for n in live}:
             continue

@@ -17,9 +17,15 @@ log-space cumsum               ``exp(L) * cumsum(u * exp(-L))`` or ``cumsum(u / 
 ``cumsum``                     a float ``cumsum`` along time (``a = 1``)
 =============================  =============================================================
 
+Heinsen's log-space form ``exp(A + logcumsumexp(log_u - A))`` with ``A = cumsum(log a)``
+(minGRU / minLSTM) is rewritten to a ``linear_scan`` before detection, by
+:mod:`.recurrence_logspace` (called from ``canonicalize_recurrences``), and then found as the
+first form above.
+
 Not recognised (left to autograd and reported as ``time_mixer`` regions): Mamba-2 ``segsum``
 / SSD chunked forms (a decay *matrix* ``exp(segsum(log a))`` times ``C B^T``; this is linear
-attention with decay, not a scan over a state), ``logcumsumexp`` forms, a bare ``cumprod``.
+attention with decay, not a scan over a state), a ``logcumsumexp`` whose result stays in log
+space, a bare ``cumprod``.
 ``torch.ops.higher_order.associative_scan`` nodes (the pointwise mode, CUDA) have a detection
 hook below that is **untested** here (no CUDA). mamba_ssm's ``selective_scan_fn`` never reaches
 this pass: capture swaps it for a twin written with ``gs.kernels.linear_scan``

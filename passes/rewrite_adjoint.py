@@ -222,8 +222,15 @@ def _verify(plans: list[RegionPlan], modules: list[AdjointRegion], values: dict[
         probe = AdjointRegion(mod.region_name, mod.producer, mod.readout, mod.facts, mod.scan, mod.io, plan="adjoint",
                               shard_size=small)
         ins = [values[x.name] for x in p.inputs]
-        with torch.no_grad():
-            outs = probe(*ins)
+        try:
+            with torch.no_grad():
+                outs = probe(*ins)
+        except Exception as exc:  # a shape or time assumption of the sharded recompute does not hold
+            where = (p.exits or [p.final_select])[0]
+            raise node_error(where, f"internal check failed: recomputing region {mod.region_name} in shards of "
+                             f"{small} steps raised {type(exc).__name__}: {exc}; its producers or readout have a "
+                             "time structure gradshard did not model",
+                             "use plan='seco' or plan='none', and report this graph") from exc
         want = [values[x.name] for x in p.exits] + ([values[p.final_select.name]] if p.final_select else [])
         for got, ref, node in zip(outs, want, [*p.exits, *([p.final_select] if p.final_select else [])]):
             ok, err = _close(got, ref)
