@@ -57,6 +57,14 @@ NOTES = (
     "The truncated plan adds O(W) buffers (the next W-1 steps of (a, g) and one block of F), "
     "visible at W=1024 and short T. Step times on this shared 2-core machine vary by 2-5x between runs "
     "(other jobs); plain autograd at 64K is additionally slowed by multi-GB allocations.")
+MLP_HEADING = "## Adjoint sharding, MLP blocks between the SSM layers (issue 3)"
+MLP_NOTES = (
+    "Notes. Every MLP block (between two SSM layers, and after the last one) is a time-local segment: the plan "
+    "runs it as a `local_recompute` region that keeps only the residual stream entering it and recomputes the "
+    "block shard by shard in the backward, where plain autograd keeps the normalised input, the MLP's hidden "
+    "pre- and post-activation (2 x 4P floats) and more per token and layer. `python bench/bench_adjoint.py "
+    "--mlp 4 --methods none,checkpoint,adjoint --seq-lens 4k,16k`."
+)
 METHODS = ("none", "checkpoint", "adjoint", "trunc_sqrt", "trunc_1024")
 
 
@@ -65,10 +73,28 @@ def parse_len(s: str) -> int:
     return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
 
 
-def make_model(seed: int = 0) -> SelectiveSSMLM:
+class ResidualMLP(torch.nn.Module):
+    """``y + W2 gelu(W1 rmsnorm(y))``: the MLP block hybrid models put after each SSM layer."""
+
+    def __init__(self, d: int, mult: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d, eps=1e-6)
+        self.up = torch.nn.Linear(d, mult * d)
+        self.down = torch.nn.Linear(mult * d, d)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y + self.down(F.gelu(self.up(self.norm(y))))
+
+
+def make_model(seed: int = 0, mlp: int = 0) -> SelectiveSSMLM:
+    """The paper's SSM LM; ``mlp > 0`` puts a ``mlp x d`` MLP block after every SSM layer."""
     torch.manual_seed(seed)
-    return SelectiveSSMLM(SSMConfig(vocab_size=256, d_model=128, n_layers=4, d_state=16, decay="diagonal",
-                                    scan="gradshard"))
+    model = SelectiveSSMLM(SSMConfig(vocab_size=256, d_model=128, n_layers=4, d_state=16, decay="diagonal",
+                                     scan="gradshard"))
+    if mlp:
+        d = model.config.d_model
+        model.layers = torch.nn.ModuleList(torch.nn.Sequential(block, ResidualMLP(d, mlp)) for block in model.layers)
+    return model
 
 
 def checkpointed(model: SelectiveSSMLM):
@@ -92,8 +118,8 @@ def runner(method: str, model: SelectiveSSMLM, T: int, shard: int):
     return gs.compile(model, plan="truncated_adjoint", window=W, shard_size=shard), f"truncated, W={W}, shard {shard}"
 
 
-def measure_one(method: str, T: int, batch: int, shard: int, repeat: int) -> dict:
-    model = make_model()
+def measure_one(method: str, T: int, batch: int, shard: int, repeat: int, mlp: int = 0) -> dict:
+    model = make_model(mlp=mlp)
     run, label = runner(method, model, T, shard)
     ids = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(T))
     labels = torch.roll(ids, -1, 1)
@@ -146,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="timed steps per point (median)")
     p.add_argument("--skip", default="", help="comma-separated method@len to skip, e.g. none@64k")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--mlp", type=int, default=0,
+                   help="put an MLP block (hidden = MLP x d_model) after every SSM layer; own RESULTS section")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
     args = p.parse_args(argv)
@@ -160,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             if (method, T) in skip:
                 skipped.append(f"{method}@{T}")
                 continue
-            r = measure_one(method, T, args.batch, args.shard_size, args.repeat)
+            r = measure_one(method, T, args.batch, args.shard_size, args.repeat, args.mlp)
             rows.append(r)
             print(f"T={T:6d} {r['label']:40s} peak {human(r['peak']):>10s} saved {human(r['saved']):>10s} "
                   f"{r['flops'] / 1e9:8.1f} GFLOP {r['seconds']:7.2f} s (first call {r['first_call_s']:.1f} s)",
@@ -171,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
     except OSError:
         pass
+    model_desc = "the paper's SSM LM" + (
+        f" with an MLP block (RMSNorm, {args.mlp}x{128} GELU MLP, residual) after each SSM layer" if args.mlp else "")
     text = (
-        f"Model: the paper's SSM LM, 4 layers, P=128, N=16, diagonal decay, vocab 256, batch {args.batch}, "
+        f"Model: {model_desc}, 4 layers, P=128, N=16, diagonal decay, vocab 256, batch {args.batch}, "
         f"float32, `gradshard.kernels.linear_scan` (torch backend); shard size {args.shard_size}. "
         f"Machine: {cpu}, {os.cpu_count()} cores shared with other jobs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads); times are single-run medians of {args.repeat} step(s) and noisy. "
@@ -180,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         "`torch.utils.flop_counter` (its formulas skip the scan kernel's elementwise work).\n\n"
         + table(rows)
         + (f"\n\nSkipped (time budget): {', '.join(skipped)}." if skipped else "")
-        + "\n\n" + NOTES
+        + "\n\n" + (MLP_NOTES if args.mlp else NOTES)
     )
     print(text)
     if not args.no_write:
-        write_section(HEADING, text, Path(args.out))
+        write_section(MLP_HEADING if args.mlp else HEADING, text, Path(args.out))
     return 0
 
 

@@ -1,20 +1,22 @@
-"""Find the time-local tail after the recurrences that the adjoint plans recompute in shards.
+"""Find the time-local segments around the recurrences that the adjoint plans recompute in shards.
 
 After ``rewrite_adjoint`` a model's recurrences keep only their layer inputs and state
-checkpoints; what follows the last recurrence (final norm, LM head, ...) would run under
-plain autograd, which keeps every intermediate its backward reads. When that tail is
-pointwise in time, the plan runs it as a :class:`~gradshard.runtime.adjoint_local.LocalSegment`
-that keeps only the tail's inputs and recomputes it shard by shard in the backward.
+checkpoints; what follows the last recurrence (final norm, LM head, ...) and what sits between
+two recurrences outside their producers and readouts (an MLP block between SSM layers) would
+run under plain autograd, which keeps every intermediate its backward reads. When such a
+segment is pointwise in time, the plan runs it as a
+:class:`~gradshard.runtime.adjoint_local.LocalSegment` that keeps only the segment's inputs
+and recomputes it shard by shard in the backward.
 
 :func:`find_local_tails` picks the tail from the time analysis of the graph *before* the
 regions are installed:
 
-1. candidates: ``call_function`` nodes that feed no recurrence region, carry one time dim,
+1. candidates: ``call_function`` nodes outside the regions, carry one time dim,
    read step ``t`` only (own reach ``[0, 0]``, no time offset), read at least one
    time-carrying value, and are neither random, in place, nor position-sensitive
    (``cat``/``slice``/``index``/...);
-2. convexity: a candidate downstream of a non-candidate that is itself downstream of a
-   candidate is dropped (the segment runs as one call);
+2. convexity: each connected piece must not leave and re-enter itself (a piece runs as one
+   call); the nodes past such an exit form a piece of their own;
 3. boundary: outputs and time-carrying inputs must have exactly one full-length time dim;
 4. peeling: a node whose inputs all lie outside is moved out while that does not raise the
    bytes the segment must keep (so ``y + out`` stays outside when ``y`` is kept anyway);
@@ -109,18 +111,6 @@ def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
     if not ins:
         return False  # a time-carrying value built from no time-carrying input (positions, constants)
     return all((tl.info[a.name].origin == 0) for a in ins)
-
-
-def _ancestors(seeds: Iterable[fx.Node]) -> set[fx.Node]:
-    out: set[fx.Node] = set()
-    stack = list(seeds)
-    while stack:
-        n = stack.pop()
-        if n in out:
-            continue
-        out.add(n)
-        stack.extend(n.all_input_nodes)
-    return out
 
 
 def _convex(order: list[fx.Node], cand: set[fx.Node]) -> set[fx.Node]:
@@ -246,26 +236,80 @@ def _saves_only(n: fx.Node, allowed: set[fx.Node], free: set[fx.Node]) -> bool:
     return True
 
 
-def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, region_nodes: set[fx.Node],
-                     free: set[fx.Node]) -> list[TailPlan]:
-    """The segments after the last recurrence worth recomputing in shards (see module doc)."""
-    order = list(gm.graph.nodes)
-    upstream = _ancestors(region_nodes)
-    cand = {n for n in order if n not in upstream and pointwise_in_time(tl, n)}
+def _convex_pieces(order: list[fx.Node], cand: set[fx.Node], tl: Any, facts: dict) -> list[set[fx.Node]]:
+    """Candidates split into connected pieces, each convex (no path leaves a piece and comes back:
+    a piece runs as one call) and with full-length single time dims at its boundary. The nodes of a
+    piece past such an exit start a piece of their own; nodes at a bad boundary are dropped."""
+    pieces: list[set[fx.Node]] = []
+    pending = [set(cand)]
+    while pending:
+        for comp in _components(pending.pop()):
+            keep = _convex(order, comp)
+            if keep != comp:
+                pending += [keep, comp - keep]
+                continue
+            inputs, outputs = _boundary(comp)
+            bad = {n for n in outputs if full_time_dim(tl, facts, n) is None}
+            for x in inputs:
+                if _timed(tl, x) and full_time_dim(tl, facts, x) is None:
+                    bad |= {u for u in x.users if u in comp}
+            if bad:
+                pending.append(comp - bad)
+            else:
+                pieces.append(comp)
+    return pieces
+
+
+def _acyclic_once_collapsed(order: list[fx.Node], regions: list[set[fx.Node]],
+                            pieces: list[set[fx.Node]]) -> list[set[fx.Node]]:
+    """Drop pieces until collapsing every region and piece into one call leaves the graph acyclic.
+
+    A piece may be convex in the original graph and still close a cycle through a region, whose
+    call makes every output depend on every input (``x_b`` computed by the piece, ``e_a`` read by
+    it, the region mapping ``x_a -> e_a`` and ``x_b -> e_b`` separately)."""
+    import networkx as nx
+
+    pieces = list(pieces)
     while True:
-        cand = _convex(order, cand)
-        inputs, outputs = _boundary(cand)
-        bad = {n for n in outputs if full_time_dim(tl, facts, n) is None}
-        for x in inputs:
-            if _timed(tl, x) and full_time_dim(tl, facts, x) is None:
-                bad |= {u for u in x.users if u in cand}
-        if not bad:
-            break
-        cand -= bad
-    cand = _peel(cand, free)
+        group: dict[fx.Node, tuple[str, int]] = {}
+        for i, r in enumerate(regions):
+            group.update({n: ("region", i) for n in r})
+        for i, p in enumerate(pieces):
+            group.update({n: ("piece", i) for n in p})
+        dag = nx.DiGraph()
+        for n in order:
+            dag.add_node(group.get(n, n))
+            for a in n.all_input_nodes:
+                if group.get(a, a) != group.get(n, n):
+                    dag.add_edge(group.get(a, a), group.get(n, n))
+        try:
+            cycle = nx.find_cycle(dag)
+        except nx.NetworkXNoCycle:
+            return pieces
+        on_cycle = [v for edge in cycle for v in edge[:2] if isinstance(v, tuple) and v[0] == "piece"]
+        if not on_cycle:
+            raise RuntimeError("internal: the recurrence regions form a cycle once collapsed")
+        del pieces[max(i for _, i in on_cycle)]
+
+
+def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set[fx.Node]],
+                     free: set[fx.Node], excluded: Iterable[fx.Node] = ()) -> list[TailPlan]:
+    """The time-local segments worth recomputing in shards (see module doc): after the last
+    recurrence, and between recurrences (an MLP block between two SSM layers).
+
+    ``regions`` (the node sets the region calls replace) and ``excluded`` (e.g. nodes an input
+    remat recomputes) never join a segment.
+    """
+    order = list(gm.graph.nodes)
+    barred = set().union(*regions, excluded)
+    cand = {n for n in order if n not in barred and pointwise_in_time(tl, n)}
+    pieces = _convex_pieces(order, cand, tl, facts)
+    # peeling removes only source nodes of a piece: what is left stays convex
+    pieces = [q for p in pieces for q in _components(_peel(p, free)) if q]
+    pieces = _acyclic_once_collapsed(order, regions, pieces)
     pos = {n: i for i, n in enumerate(order)}
     plans = []
-    for comp in _components(cand):
+    for comp in pieces:
         nodes = sorted(comp, key=pos.get)
         inputs, outputs = _boundary(comp)
         inputs.sort(key=pos.get)

@@ -289,11 +289,11 @@ def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dic
     return keep_t, keep_m, notes
 
 
-def _tails(gm: fx.GraphModule, tl: Any, facts: dict, region_nodes: set[fx.Node], kept_anyway: set[fx.Node],
-           shard: int) -> tuple[list[TailPlan], list[LocalSegment]]:
-    """The time-local tails worth recomputing, with their modules (those that re-specialise to shards)."""
+def _tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set[fx.Node]], kept_anyway: set[fx.Node],
+           shard: int, excluded: set[fx.Node]) -> tuple[list[TailPlan], list[LocalSegment]]:
+    """The time-local segments worth recomputing, with their modules (those that re-specialise to shards)."""
     plans, mods = [], []
-    for tail in find_local_tails(gm, tl, facts, region_nodes, kept_anyway):
+    for tail in find_local_tails(gm, tl, facts, regions, kept_anyway, excluded):
         seg = build_tail_module(gm, tail, facts, f"tail_{len(mods)}", tl.seq_len, shard)
         if not _respecializes(seg.graph_for, _check_lengths(tl.seq_len, shard)):
             continue
@@ -393,11 +393,13 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     notes: list[str] = []
     verify = bool(ctx.example_inputs) and tl.seq_len <= VERIFY_MAX_LEN
     remats = [_usable_remats(new, tl, facts, plan, shard) for plan in plans]
-    region_nodes = {n for p in plans for n in (*p.producers, *p.readout, *p.covered_nodes, *([p.final_select] if p.final_select else []))}
-    region_nodes |= {n for n in new.graph.nodes if n.name in {p.site.h for p in plans}}
+    by_name = {n.name: n for n in new.graph.nodes}
+    region_groups = [{*p.producers, *p.readout, *p.covered_nodes, *([p.final_select] if p.final_select else []),
+                      by_name[p.site.h]} for p in plans]
     kept_anyway = {x for p, rm in zip(plans, remats) for i, (x, d) in enumerate(zip(p.inputs, p.io.input_time_dims))
                    if d is not None and i not in {r.index for r in rm}}
-    tails, tail_modules = _tails(new, tl, facts, region_nodes, kept_anyway, shard)
+    remat_nodes = {n for rm in remats for r in rm for n in r.nodes}
+    tails, tail_modules = _tails(new, tl, facts, region_groups, kept_anyway, shard, remat_nodes)
     values = _collect(new, plans, remats, tails, list(ctx.example_inputs)) if verify else {}
     if verify:
         checked = [_verified_remats(new, plan, rm, values) for plan, rm in zip(plans, remats)]

@@ -177,3 +177,38 @@ def test_loop_stacking_its_states_saves_what_the_kernel_form_saves(h0):
         assert any(n.startswith("einsum") for n in r.nodes), r.nodes
     assert_same_grads(init_like_training(DiagonalSSM(d=5, n=3, layers=2, h0=h0, scan="loop")),
                       (torch.randn(3, 13, 5, dtype=torch.float64),), shard_size=4)
+
+
+class _SSMWithMLP(DiagonalSSM):
+    """SSM layers interleaved with MLP blocks (``y + W2 gelu(W1 norm(y))``), a common hybrid layout."""
+
+    def __init__(self, hidden: int = 32, **kw) -> None:
+        super().__init__(**kw)
+        self.up = nn.ModuleList(nn.Linear(self.d, hidden) for _ in self.A)
+        self.down = nn.ModuleList(nn.Linear(hidden, self.d) for _ in self.A)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        for i in range(len(self.A)):
+            y = self.layer(i, y)
+            y = y + self.down[i](F.gelu(self.up[i](F.layer_norm(y, (self.d,)))))
+        return y
+
+
+@pytest.mark.parametrize("layers", [2, 3])
+def test_mlp_blocks_between_recurrences_are_recomputed_in_shards(layers):
+    """Each MLP block (between two SSM layers, and after the last) runs as its own segment that
+    keeps only its input: saved bytes are the layer inputs, the checkpoints and one block input
+    per MLP, where plain autograd keeps the MLP's hidden activations."""
+    model = init_like_training(_SSMWithMLP(d=6, n=4, layers=layers, scan="gradshard"))
+    batch, T, shard, d, n = 2, 40, 8, 6, 4
+    y = torch.randn(batch, T, d, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    cm = assert_same_grads(model, (y,), shard_size=shard)
+    segments = _regions(cm, "local_recompute")
+    assert len(segments) == layers
+    assert all(sum(x.startswith("gelu") for x in s.nodes) == 1 for s in segments)
+    saved = _saved_bytes(model, cm, y)
+    n_ckpt = -(-T // shard) - 1
+    layer_inputs = (layers - 1) * batch * T * d * 8  # layer 0's is the caller's tensor y
+    block_inputs = layers * batch * T * d * 8  # each MLP keeps the residual stream entering it
+    assert saved == layer_inputs + block_inputs + layers * n_ckpt * batch * n * d * 8, saved
+    assert saved * 4 < _saved_bytes(model, model, y)
