@@ -18,8 +18,12 @@ recurrence ``S_{c+1} = Pe_c S_c + U_c``, is itself a diagonal linear scan and ru
 
 So the GPU sees ``T / C * B * H`` programs instead of ``B * H`` walking ``T`` sequentially
 (the previous design: 16 programs on a 132-SM H100 at B=2, H=8). The price is the per-chunk
-states in global memory, ``T / C * dk * dv`` floats per head (as in flash-linear-attention's
-chunk kernels), freed when the call returns.
+states in global memory, ``T / C * dk * dv`` float32 values per head, freed when the call
+returns: the chunk scan runs in place over the increments, so the forward holds one such buffer
+and the backward two. That is ``dk * dv * 4 / C`` bytes per token and head: 256 B at d = 64
+(C = 64), 2 KiB at d = 128 (C = 32, the chunk the backward's shared memory allows).
+flash-linear-attention's chunk kernels hold the same states, by default in the inputs' dtype;
+gradshard keeps float32 (exact accumulation) and says so here.
 """
 
 from __future__ import annotations
@@ -269,7 +273,9 @@ def _scan_chunks(x: torch.Tensor, y: torch.Tensor, decay: Optional[torch.Tensor]
         PREC=dot_precision(x.dtype), num_warps=NUM_WARPS,
     )
     seed = None if edge is None else edge.reshape(b * h, dk * dv)
-    return scan_triton(pe.unsqueeze(-1), inc.view(b * h, nc, dk * dv), seed, reverse=reverse, out_dtype=acc)
+    flat = inc.view(b * h, nc, dk * dv)
+    # in place: the increments become the states, one (B*H, NC, dk, dv) buffer instead of two
+    return scan_triton(pe.unsqueeze(-1), flat, seed, reverse=reverse, out_dtype=acc, out=flat)
 
 
 def _empty_sequence_state(edge: Optional[torch.Tensor], shape: tuple[int, ...], acc: torch.dtype,

@@ -107,8 +107,13 @@ def scan_triton(
     reverse: bool = False,
     out_dtype: Optional[torch.dtype] = None,
     chunk: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`gradshard.kernels.scan_torch.scan_torch`; ``chunk`` forces the time chunk."""
+    """Same contract as :func:`gradshard.kernels.scan_torch.scan_torch`; ``chunk`` forces the time chunk.
+
+    ``out``: a contiguous ``u``-shaped tensor of ``out_dtype`` to write into; it may be ``u``
+    itself (every program reads a tile of ``u`` before writing the same tile of ``out``).
+    """
     check_device(u)
     acc = accumulation_dtype(torch.promote_types(a.dtype, u.dtype))
     out_dtype = acc if out_dtype is None else out_dtype
@@ -116,7 +121,11 @@ def scan_triton(
     n = 1
     for s in u.shape[2:]:
         n *= int(s)
-    out = torch.empty(u.shape, dtype=out_dtype, device=u.device)
+    if out is None:
+        out = torch.empty(u.shape, dtype=out_dtype, device=u.device)
+    elif out.shape != u.shape or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"scan_triton: out must be a contiguous {tuple(u.shape)} {out_dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}.")
     if length == 0 or batch == 0 or n == 0:
         return out
     u3 = u.reshape(batch, length, n).contiguous()

@@ -55,6 +55,17 @@ else:
         out = scan_triton(a, u, h0, reverse=reverse, chunk=chunk)
         assert rel(out, scan_naive(a, u, h0, reverse)) <= tol(F64)
 
+    @pytest.mark.parametrize("reverse,chunk", [(False, None), (True, None), (False, 8), (True, 10)])
+    def test_scan_in_place_over_its_input(reverse, chunk):
+        """``out=u``: each program reads a tile of u before writing it (the lightning chunk scan)."""
+        a, u, h0 = scan_inputs(3, 37)
+        want = scan_naive(a, u, h0, reverse)
+        buf = u.clone()
+        got = scan_triton(a, buf, h0, reverse=reverse, chunk=chunk, out=buf)
+        assert got.data_ptr() == buf.data_ptr() and rel(got, want) <= tol(F64)
+        with pytest.raises(ValueError, match="contiguous"):
+            scan_triton(a, u, h0, out=torch.empty(3, 2, 37, 3, dtype=F64).transpose(1, 2))
+
     @pytest.mark.parametrize("a_shape", [(3, 19, 2, 1), (1, 19, 2, 3), (3, 1, 2, 3)])
     def test_scan_broadcast_coefficients(a_shape):
         a, u, h0 = scan_inputs(3, 19, a_shape=a_shape)
