@@ -59,6 +59,15 @@ register_substitution(Substitution(
 ))
 
 
+register_substitution(Substitution(
+    module="mamba_ssm.ops.triton.ssd_combined",
+    name="mamba_chunk_scan_combined",
+    replacement="gradshard.runtime.adjoint_mamba:mamba_chunk_scan_reference",
+    why="Mamba-2's SSD Triton kernels; the twin computes the same state space model as one "
+        "gradshard.kernels.linear_scan per head, so it is detected as a linear recurrence",
+))
+
+
 def _bindings_of(fn: object) -> list[tuple[ModuleType, str]]:
     """Every ``(module, global name)`` currently bound to ``fn`` in an imported module."""
     found = []

@@ -24,6 +24,7 @@ unboundedly far (a cumsum feeding ``a``), a readout that is not pointwise in tim
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -163,7 +164,13 @@ class _Extractor:
             if users and all(inside(x) for x in users):
                 P.add(n)
                 needed.update(n.all_input_nodes)
-        return P
+        # `getitem` of a multi-output op left outside (a split whose other pieces feed layers
+        # elsewhere, e.g. Mamba-2's `z, xBC, dt = split(in_proj(u))`): the piece itself is the
+        # region input, not the tuple-valued op (which has no time dims to slice per shard)
+        outside_pieces = {n for n in P if n.target is operator.getitem and isinstance(n.args[0], fx.Node)
+                          and isinstance(n.args[0].target, torch._ops.OpOverload)
+                          and n.args[0] not in P and n.args[0] not in region}
+        return P - outside_pieces
 
     # ------------------------------------------------------------------ readout
 
