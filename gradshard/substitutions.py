@@ -60,11 +60,29 @@ register_substitution(Substitution(
 
 
 register_substitution(Substitution(
+    module="mamba_ssm.ops.selective_scan_interface",
+    name="mamba_inner_fn",
+    replacement="gradshard.runtime.adjoint_mamba:mamba_inner_reference",
+    why="the fused conv + projections + selective scan path Mamba trains with (use_fast_path); "
+        "the twin is those ops around one gradshard.kernels.linear_scan",
+))
+
+
+register_substitution(Substitution(
     module="mamba_ssm.ops.triton.ssd_combined",
     name="mamba_chunk_scan_combined",
     replacement="gradshard.runtime.adjoint_mamba:mamba_chunk_scan_reference",
     why="Mamba-2's SSD Triton kernels; the twin computes the same state space model as one "
         "gradshard.kernels.linear_scan per head, so it is detected as a linear recurrence",
+))
+
+
+register_substitution(Substitution(
+    module="mamba_ssm.ops.triton.ssd_combined",
+    name="mamba_split_conv1d_scan_combined",
+    replacement="gradshard.runtime.adjoint_mamba:mamba_split_conv1d_scan_reference",
+    why="the fused conv + SSD + gated-norm + out-proj path Mamba2 trains with (use_mem_eff_path); "
+        "the twin is those ops around one gradshard.kernels.linear_scan per head",
 ))
 
 

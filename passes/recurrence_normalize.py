@@ -9,6 +9,7 @@ time. These rewrites restore the unmerged ops (same values)::
     view(mm(view(x, [B*T, K]), w), [B, T, N])             ->  matmul(x, w)
     view(bmm(view(x, [B*T, m, k]), view(y, [B*T, k, n])), [B, T, m, n])
                                                           ->  matmul(reshape(x, [B, T, m, k]), reshape(y, [B, T, k, n]))
+    view(mm(W, t(view(x, [B*T, K]))), [N, B, T])          ->  permute(linear(x, W), [2, 0, 1])
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def _view_src(n: object, rank: int) -> fx.Node | None:
     if not isinstance(src, fx.Node) or len(_shape(n)) != rank:
         return None
     return src
+
+
+def _is_transpose(n: object) -> bool:
+    """``n`` swaps the two dims of a matrix (``t``, ``transpose(0, 1)``, ``permute([1, 0])``)."""
+    if not isinstance(n, fx.Node) or n.op != "call_function" or len(_shape(n) or ()) != 2:
+        return False
+    if n.target is aten.t.default:
+        return True
+    if n.target is aten.transpose.int:
+        return {n.args[1] % 2, n.args[2] % 2} == {0, 1}
+    return n.target is aten.permute.default and list(n.args[1]) == [1, 0]
 
 
 def _emit(graph: fx.Graph, target, args, like: fx.Node) -> fx.Node:
@@ -80,6 +92,22 @@ def unmerge_matmuls(gm: fx.GraphModule) -> int:
                         new = _emit(graph, aten.add.Tensor, (new, mm.args[0]), out)
             if _shape(new) != lead:
                 graph.erase_node(new)
+                continue
+            out.replace_all_uses_with(new)
+            count += 1
+        elif (mm.target in (aten.mm.default, aten.matmul.default) and len(lead) >= 3 and len(mm.users) == 1
+              and len(_shape(mm)) == 2 and _is_transpose(mm.args[1])):
+            # W @ view(x, [B*T, K]).t() viewed as [N, B, T] (mamba_simple's in_proj)
+            w, src = mm.args[0], _view_src(mm.args[1].args[0], 2)
+            if src is None or not isinstance(w, fx.Node) or len(_shape(w)) != 2:
+                continue
+            rows = lead[1:]
+            if tuple(_shape(src)[:-1]) != tuple(rows) or math.prod(rows) != _shape(mm)[1]:
+                continue
+            with graph.inserting_before(out):
+                lin = _emit(graph, aten.linear.default, (src, w, None), out)
+                new = _emit(graph, aten.permute.default, (lin, [len(rows), *range(len(rows))]), out)
+            if _shape(new) != lead:
                 continue
             out.replace_all_uses_with(new)
             count += 1
