@@ -66,6 +66,18 @@ def _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC: tl.constexpr, ACC: tl
 
 
 @triton.jit
+def _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """(batch, head, chunk rows, key cols, value cols of block ``pid_v``, their masks, steps, step mask)."""
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    t = (pid_c * BC + offs_c).to(tl.int64)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    return b, h, offs_c, offs_k, offs_v, offs_k < DK, offs_v < DV, t, t < T
+
+
+@triton.jit
 def _neighbour_state(BUF, EDGE, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask,
                      STEP: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr):
     """``BUF[bh, c + STEP]`` (a (B*H, NC, dk, dv) chunk-state buffer), or ``EDGE[bh]`` (or 0)
@@ -94,15 +106,7 @@ def _chunk_outer_kernel(
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_v = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_c = tl.arange(0, BC)
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    kmask = offs_k < DK
-    vmask = offs_v < DV
-    t = (pid_c * BC + offs_c).to(tl.int64)
-    tmask = t < T
+    b, h, offs_c, offs_k, offs_v, kmask, vmask, t, tmask = _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC, BK, BV)
     x = tl.load(X + b * sx_b + h * sx_h + t[:, None] * sx_t + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(ACC)
     y = tl.load(Y + b * sy_b + h * sy_h + t[:, None] * sy_t + offs_v[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0).to(ACC)
     m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
@@ -129,15 +133,7 @@ def _chunk_output_kernel(
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_v = tl.program_id(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_c = tl.arange(0, BC)
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    kmask = offs_k < DK
-    vmask = offs_v < DV
-    t = (pid_c * BC + offs_c).to(tl.int64)
-    tmask = t < T
+    b, h, offs_c, offs_k, offs_v, kmask, vmask, t, tmask = _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC, BK, BV)
     qk_mask = tmask[:, None] & kmask[None, :]
     v_mask = tmask[:, None] & vmask[None, :]
     q_base = b * sq_b + h * sq_h
@@ -169,13 +165,7 @@ def _chunk_grad_kernel(
     """
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    offs_c = tl.arange(0, BC)
-    offs_k = tl.arange(0, BK)
-    kmask = offs_k < DK
-    t = (pid_c * BC + offs_c).to(tl.int64)
-    tmask = t < T
+    b, h, offs_c, offs_k, _, kmask, _, t, tmask = _chunk_tile(pid_bh, pid_c, 0, H, T, DK, DV, BC, BK, BV)
     qk_mask = tmask[:, None] & kmask[None, :]
     q_base = b * sq_b + h * sq_h
     v_base = b * sv_b + h * sv_h

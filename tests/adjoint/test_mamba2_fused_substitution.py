@@ -7,9 +7,7 @@ gradshard's twin.
 
 from __future__ import annotations
 
-import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ import torch.nn.functional as F
 from gradshard.runtime.adjoint_mamba import mamba_split_conv1d_scan_reference
 
 from .helpers import assert_same_grads
+from .standin import OpaqueKernel, standin_package
 from .ssd_reference import ssd_chunk_scan
 
 F64 = torch.float64
@@ -50,29 +49,6 @@ def split_conv_ssd(zxbcdt, w, bias, dt_bias, A, D, chunk, h0, norm_w, eps, out_w
     return F.linear(y, out_w, out_b)
 
 
-class _Opaque(torch.autograd.Function):
-    """A fused kernel: reads raw pointers (untraceable), its own backward by recomputation."""
-
-    @staticmethod
-    def forward(ctx, fn, *tensors):
-        for t in tensors:
-            if t is not None:
-                t.data_ptr()
-        ctx.fn = fn
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return fn(*tensors)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inputs = [t.detach().requires_grad_(True) if t is not None else None for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            out = ctx.fn(*inputs)
-            live = [t for t in inputs if t is not None]
-            grads = iter(torch.autograd.grad(out, live, grad))
-        return (None, *[next(grads) if t is not None else None for t in inputs])
-
-
 def _mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size,
                                       initial_states=None, seq_idx=None, dt_limit=(0.0, float("inf")),
                                       return_final_states=False, activation="silu", rmsnorm_weight=None,
@@ -84,8 +60,8 @@ def _mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bia
         return split_conv_ssd(zxbcdt, w, b, dt_bias, A, D, chunk_size, h0, norm_w, rmsnorm_eps, out_w, out_b,
                               headdim, ngroups, norm_before_gate)
 
-    return _Opaque.apply(fn, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
-                         outproj_weight, outproj_bias)
+    return OpaqueKernel.apply(fn, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, initial_states, rmsnorm_weight,
+                              outproj_weight, outproj_bias)
 
 
 USER_CODE = textwrap.dedent('''
@@ -135,22 +111,9 @@ USER_CODE = textwrap.dedent('''
 
 @pytest.fixture
 def user_module():
-    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined",
-             "user_mamba2_fused_model"]
-    saved = {n: sys.modules.get(n) for n in names}
-    pkg, ops, tri, ssd = (types.ModuleType(n) for n in names[:4])
-    ssd.mamba_split_conv1d_scan_combined = _mamba_split_conv1d_scan_combined
-    pkg.ops, ops.triton, tri.ssd_combined = ops, tri, ssd
-    sys.modules.update(zip(names[:4], (pkg, ops, tri, ssd)))
-    user = types.ModuleType("user_mamba2_fused_model")
-    sys.modules["user_mamba2_fused_model"] = user
-    exec(compile(USER_CODE, "user_mamba2_fused_model.py", "exec"), user.__dict__)
-    yield user
-    for n, m in saved.items():
-        if m is None:
-            sys.modules.pop(n, None)
-        else:
-            sys.modules[n] = m
+    kernels = {"mamba_split_conv1d_scan_combined": _mamba_split_conv1d_scan_combined}
+    with standin_package("mamba_ssm.ops.triton.ssd_combined", kernels, USER_CODE, "user_mamba2_fused_model") as user:
+        yield user
 
 
 @pytest.mark.parametrize("rmsnorm,norm_before_gate,d_nonssm", [(True, False, 0), (True, True, 2), (False, False, 2)])

@@ -8,48 +8,29 @@ the compiled model is checked against is Mamba-2's own math, not gradshard's twi
 
 from __future__ import annotations
 
-import sys
 import textwrap
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gradshard.runtime.adjoint_mamba import mamba_chunk_scan_reference
 
 from .helpers import assert_same_grads
+from .standin import OpaqueKernel, standin_package
 from .ssd_reference import ssd_chunk_scan
 
 F64 = torch.float64
-
-
-class _OpaqueChunkScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, h0, chunk_size, softplus):
-        for t in (x, dt, A, B, C):
-            t.data_ptr()  # a Triton kernel reads raw pointers: fails on fake tensors
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, h0)
-        ctx.chunk_size, ctx.softplus = chunk_size, softplus
-        with torch.no_grad():
-            return ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, h0, softplus)
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(True) if t is not None else None for t in saved]
-        with torch.enable_grad():
-            out = ssd_chunk_scan(*inputs[:5], ctx.chunk_size, *inputs[5:8], inputs[8], ctx.softplus)
-            live = [t for t in inputs if t is not None]
-            grads = iter(torch.autograd.grad(out, live, grad))
-        return (*[next(grads) if t is not None else None for t in inputs], None, None)
 
 
 def _mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                                seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                                return_final_states=False, return_varlen_states=False):
     assert not return_final_states and seq_idx is None
-    return _OpaqueChunkScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus)
+
+    def fn(x, dt, A, B, C, D, z, dt_bias, h0):
+        return ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, h0, dt_softplus)
+
+    return OpaqueKernel.apply(fn, x, dt, A, B, C, D, z, dt_bias, initial_states)
 
 
 USER_CODE = textwrap.dedent('''
@@ -108,23 +89,9 @@ USER_CODE = textwrap.dedent('''
 
 @pytest.fixture
 def user_module():
-    """Install the stand-in mamba_ssm and import a user module that uses it by name."""
-    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined",
-             "user_mamba2_model"]
-    saved = {n: sys.modules.get(n) for n in names}
-    pkg, ops, tri, ssd = (types.ModuleType(n) for n in names[:4])
-    ssd.mamba_chunk_scan_combined = _mamba_chunk_scan_combined
-    pkg.ops, ops.triton, tri.ssd_combined = ops, tri, ssd
-    sys.modules.update(zip(names[:4], (pkg, ops, tri, ssd)))
-    user = types.ModuleType("user_mamba2_model")
-    sys.modules["user_mamba2_model"] = user
-    exec(compile(USER_CODE, "user_mamba2_model.py", "exec"), user.__dict__)
-    yield user
-    for n, m in saved.items():
-        if m is None:
-            sys.modules.pop(n, None)
-        else:
-            sys.modules[n] = m
+    with standin_package("mamba_ssm.ops.triton.ssd_combined", {"mamba_chunk_scan_combined": _mamba_chunk_scan_combined},
+                         USER_CODE, "user_mamba2_model") as user:
+        yield user
 
 
 @pytest.mark.parametrize("T,chunk", [(11, 4), (16, 8)])

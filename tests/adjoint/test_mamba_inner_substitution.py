@@ -9,9 +9,7 @@ selective scan, written apart from gradshard's twin. The user model is mamba_ssm
 
 from __future__ import annotations
 
-import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 from gradshard.runtime.adjoint_mamba import mamba_inner_reference
 
 from .helpers import assert_same_grads
+from .standin import OpaqueKernel, standin_package
 
 F64 = torch.float64
 
@@ -49,33 +48,13 @@ def mamba_inner_loop(xz, conv_w, conv_b, x_proj_w, dt_proj_w, out_w, out_b, A, D
     return F.linear(y.transpose(1, 2), out_w, out_b)
 
 
-class _Opaque(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *tensors):
-        for t in tensors:
-            if t is not None:
-                t.data_ptr()  # a CUDA kernel reads raw pointers: fails on fake tensors
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return mamba_inner_loop(*tensors)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inputs = [t.detach().requires_grad_(True) if t is not None else None for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            out = mamba_inner_loop(*inputs)
-            live = [t for t in inputs if t is not None]
-            grads = iter(torch.autograd.grad(out, live, grad))
-        return tuple(next(grads) if t is not None else None for t in inputs)
-
-
 def _mamba_inner_fn(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
                     out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None, C_proj_bias=None,
                     delta_softplus=True, checkpoint_lvl=1, b_rms_weight=None, c_rms_weight=None, dt_rms_weight=None,
                     b_c_dt_rms_eps=1e-6):
     assert B is None and C is None and delta_softplus
-    return _Opaque.apply(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
-                         out_proj_bias, A, D, delta_bias)
+    return OpaqueKernel.apply(mamba_inner_loop, xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight,
+                              out_proj_weight, out_proj_bias, A, D, delta_bias)
 
 
 USER_CODE = textwrap.dedent('''
@@ -126,21 +105,9 @@ USER_CODE = textwrap.dedent('''
 
 @pytest.fixture
 def user_module():
-    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.selective_scan_interface", "user_mamba_inner_model"]
-    saved = {n: sys.modules.get(n) for n in names}
-    pkg, ops, ssi = (types.ModuleType(n) for n in names[:3])
-    ssi.mamba_inner_fn = _mamba_inner_fn
-    pkg.ops, ops.selective_scan_interface = ops, ssi
-    sys.modules.update(zip(names[:3], (pkg, ops, ssi)))
-    user = types.ModuleType("user_mamba_inner_model")
-    sys.modules["user_mamba_inner_model"] = user
-    exec(compile(USER_CODE, "user_mamba_inner_model.py", "exec"), user.__dict__)
-    yield user
-    for n, m in saved.items():
-        if m is None:
-            sys.modules.pop(n, None)
-        else:
-            sys.modules[n] = m
+    with standin_package("mamba_ssm.ops.selective_scan_interface", {"mamba_inner_fn": _mamba_inner_fn},
+                         USER_CODE, "user_mamba_inner_model") as user:
+        yield user
 
 
 def test_the_twin_equals_the_step_by_step_computation():

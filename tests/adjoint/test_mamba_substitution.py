@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -20,33 +19,17 @@ from gradshard.runtime.adjoint_mamba import selective_scan_reference
 from gradshard.substitutions import substitute_known_kernels
 
 from .helpers import assert_same_grads
-
-
-class _OpaqueSelectiveScan(torch.autograd.Function):
-    """A fused kernel: real storage only, its own backward."""
-
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
-        for t in (u, delta, A, B, C):
-            t.data_ptr()  # a CUDA extension reads raw pointers: fails on fake tensors
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias)
-        ctx.softplus = delta_softplus
-        with torch.no_grad():
-            return selective_scan_reference(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-
-    @staticmethod
-    def backward(ctx, grad):
-        inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            out = selective_scan_reference(*inputs, delta_softplus=ctx.softplus)
-            grads = torch.autograd.grad(out, inputs, grad)
-        return (*grads, None)
+from .standin import OpaqueKernel, standin_package
 
 
 def _selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                        return_last_state=False):
     assert not return_last_state
-    return _OpaqueSelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+
+    def fn(u, delta, A, B, C, D, z, delta_bias):
+        return selective_scan_reference(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+
+    return OpaqueKernel.apply(fn, u, delta, A, B, C, D, z, delta_bias)
 
 
 USER_CODE = textwrap.dedent('''
@@ -82,22 +65,10 @@ USER_CODE = textwrap.dedent('''
 
 @pytest.fixture
 def user_module():
-    """Install the stand-in mamba_ssm and import a user module that uses it by name."""
-    names = ["mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.selective_scan_interface", "user_mamba_model"]
-    saved = {n: sys.modules.get(n) for n in names}
-    pkg, ops, ssi = (types.ModuleType(n) for n in names[:3])
-    ssi.selective_scan_fn = _selective_scan_fn
-    pkg.ops, ops.selective_scan_interface = ops, ssi
-    sys.modules.update(zip(names[:3], (pkg, ops, ssi)))
-    user = types.ModuleType("user_mamba_model")
-    sys.modules["user_mamba_model"] = user
-    exec(compile(USER_CODE, "user_mamba_model.py", "exec"), user.__dict__)
-    yield user
-    for n, m in saved.items():
-        if m is None:
-            sys.modules.pop(n, None)
-        else:
-            sys.modules[n] = m
+    """The stand-in mamba_ssm and a user module that imports its kernel by name."""
+    with standin_package("mamba_ssm.ops.selective_scan_interface", {"selective_scan_fn": _selective_scan_fn},
+                         USER_CODE, "user_mamba_model") as user:
+        yield user
 
 
 def test_the_stand_in_really_cannot_be_traced(user_module):
