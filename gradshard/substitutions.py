@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
-__all__ = ["Substitution", "SUBSTITUTIONS", "register_substitution", "substitute_known_kernels"]
+__all__ = ["Substitution", "SUBSTITUTIONS", "install_traceable_twins", "register_substitution",
+           "substitute_known_kernels"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,25 @@ def _bindings_of(fn: object) -> list[tuple[ModuleType, str]]:
     return found
 
 
+def _swap_known_kernels() -> tuple[list[str], list[tuple[ModuleType, str, object]]]:
+    """Rebind every imported known kernel to its twin; ``(applied, undo)``."""
+    undo: list[tuple[ModuleType, str, object]] = []
+    applied: list[str] = []
+    for sub in SUBSTITUTIONS:
+        home = sys.modules.get(sub.module)
+        original = getattr(home, sub.name, None) if home is not None else None
+        if original is None:
+            continue
+        twin = sub.load_replacement()
+        if original is twin:
+            continue  # already installed for good (install_traceable_twins)
+        for mod, key in _bindings_of(original):
+            undo.append((mod, key, original))
+            setattr(mod, key, twin)
+        applied.append(f"{sub.module}.{sub.name}")
+    return applied, undo
+
+
 @contextlib.contextmanager
 def substitute_known_kernels() -> Iterator[list[str]]:
     """Rebind the known kernels of :data:`SUBSTITUTIONS` to their twins for the duration.
@@ -106,19 +126,21 @@ def substitute_known_kernels() -> Iterator[list[str]]:
     Yields the list of ``"module.name"`` that were substituted (empty when none is imported).
     """
     undo: list[tuple[ModuleType, str, object]] = []
-    applied: list[str] = []
     try:
-        for sub in SUBSTITUTIONS:
-            home = sys.modules.get(sub.module)
-            original = getattr(home, sub.name, None) if home is not None else None
-            if original is None:
-                continue
-            twin = sub.load_replacement()
-            for mod, key in _bindings_of(original):
-                undo.append((mod, key, original))
-                setattr(mod, key, twin)
-            applied.append(f"{sub.module}.{sub.name}")
+        applied, undo = _swap_known_kernels()
         yield applied
     finally:
         for mod, key, original in reversed(undo):
             setattr(mod, key, original)
+
+
+def install_traceable_twins() -> list[str]:
+    """Rebind every imported known kernel to its twin for the rest of the process.
+
+    For ``torch.compile(model, backend=gs.backend(...))``: there Dynamo traces the model before
+    gradshard captures anything, so the swap must already be in place. Import the kernels' modules
+    (or the model) first; returns the ``"module.name"`` rebound. The model then runs the twins
+    everywhere, also outside compiled code.
+    """
+    applied, _ = _swap_known_kernels()
+    return applied

@@ -18,8 +18,8 @@ mamba_ssm's ``selective_scan_fn`` calls a CUDA extension that no front door can 
 semantics) with a gradshard scan, so a captured Mamba block shows one ``linear_scan`` and
 gets an adjoint region like any other layer. The python, fx and dynamo front doors swap it in
 automatically while capturing (:mod:`gradshard.substitutions`);
-:func:`patch_mamba_selective_scan` swaps it in for good, for ``torch.compile(backend=gs.backend(...))``
-where Dynamo traces the model before gradshard sees it.
+:func:`gradshard.substitutions.install_traceable_twins` swaps them in for good, for
+``torch.compile(backend=gs.backend(...))`` where Dynamo traces the model before gradshard sees it.
 
 Tested against a per-step loop of the same equations and, through capture, against a
 stand-in mamba_ssm package (``tests/adjoint``); not against mamba_ssm itself (it needs CUDA
@@ -235,6 +235,9 @@ def mamba_split_conv1d_scan_reference(zxbcdt: Tensor, conv1d_weight: Tensor, con
 
 def patch_mamba_selective_scan() -> bool:
     """Make mamba_ssm use :func:`selective_scan_reference` from now on; False if not installed.
+
+    Only Mamba-1's ``selective_scan_fn``; :func:`gradshard.substitutions.install_traceable_twins`
+    installs every known twin (use it before ``torch.compile(backend=gs.backend(...))``).
 
     Not tested against the real package (see the module docstring)."""
     try:

@@ -137,3 +137,26 @@ def test_a_mamba2_model_compiles_with_adjoint_and_matches_ssd(user_module, learn
     assert len(regions) == 2 and {r.options["written_as"] for r in regions} == {"gradshard.kernels.linear_scan"}
     assert "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined" in cm.explain()
     assert user_module.mamba_chunk_scan_combined is _mamba_chunk_scan_combined  # restored after capture
+
+
+def test_torch_compile_backend_after_installing_the_twins(user_module):
+    """Dynamo traces the model before gradshard sees it: the twins must be installed first."""
+    import copy
+
+    import gradshard as gs
+    from gradshard.substitutions import install_traceable_twins
+
+    torch.manual_seed(3)
+    model = user_module.Mamba2LM().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 13, 5, dtype=F64)
+    ref(x).square().sum().backward()  # before installing: the stand-in's own (SSD) kernel
+    assert install_traceable_twins() == ["mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"]
+    assert user_module.mamba_chunk_scan_combined is mamba_chunk_scan_reference
+    assert install_traceable_twins() == []  # idempotent
+    be = gs.backend("adjoint", shard_size=4)
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    compiled(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert any(r.kind == "linear_recurrence" for e in be.compiled for r in e.regions)
