@@ -171,7 +171,7 @@ def mamba_chunk_scan_reference(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: T
 def _gated_rms_norm(x: Tensor, weight: Tensor, z: Tensor, eps: float, group_size: int, norm_before_gate: bool) -> Tensor:
     """mamba_ssm's ``rmsnorm_fn(x, weight, None, z, eps, group_size, norm_before_gate)`` (at least float32 inside)."""
     dtype = x.dtype
-    acc = torch.promote_types(dtype, torch.float32)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # (no promote_types: it would be traced)
     x, z = x.to(acc), z.to(acc)
     if not norm_before_gate:
         x = x * F.silu(z)

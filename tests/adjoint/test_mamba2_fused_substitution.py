@@ -151,3 +151,10 @@ def test_a_fused_mamba2_model_compiles_with_adjoint_and_matches(user_module, rms
     cm = assert_same_grads(model, (x,), shard_size=4)
     assert len([r for r in cm.regions if r.kind == "linear_recurrence"]) == 2
     assert "mamba_split_conv1d_scan_combined" in cm.explain()
+
+
+@pytest.mark.parametrize("plan,opts", [("none", {}), ("seco", {"chunk_size": 4})])
+def test_other_plans_run_the_twin_exactly(user_module, plan, opts):
+    torch.manual_seed(4)
+    model = user_module.Mamba2LM().double()
+    assert_same_grads(model, (torch.randn(2, 12, 5, dtype=F64),), plan=plan, **opts)
