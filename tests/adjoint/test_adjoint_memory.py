@@ -179,6 +179,31 @@ def test_loop_stacking_its_states_saves_what_the_kernel_form_saves(h0):
                       (torch.randn(3, 13, 5, dtype=torch.float64),), shard_size=4)
 
 
+def _scan_loop_stacking_a_transformed_state(a, u, h0):
+    h = h0 if h0 is not None else torch.zeros_like(u[:, 0])
+    hs = []
+    for t in range(u.shape[1]):
+        h = a[:, t] * h + u[:, t]
+        hs.append(2 * h)
+    return torch.stack(hs, 1) / 2
+
+
+def test_loop_stacking_a_transformed_state_saves_what_the_kernel_form_saves():
+    """``hs.append(2 * h)``: the rolled readout body keeps h's state dims (dims analysis of the
+    body), so the readout after the loop joins the region and (B, T, N, P) is not kept."""
+    def compiled(**kw):
+        model = init_like_training(DiagonalSSM(d=6, n=4, layers=2, **kw))
+        return model, gs.compile(model, plan="adjoint", shard_size=16)
+
+    y = torch.randn(2, 64, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    (loop, cm), (kernel, cm_kernel) = compiled(scan_fn=_scan_loop_stacking_a_transformed_state), compiled(scan="gradshard")
+    assert _saved_bytes(loop, cm, y) == _saved_bytes(kernel, cm_kernel, y)
+    assert _regions(cm, "local_recompute") == []
+    assert_same_grads(init_like_training(DiagonalSSM(d=5, n=3, layers=2, h0=True,
+                                                     scan_fn=_scan_loop_stacking_a_transformed_state)),
+                      (torch.randn(3, 13, 5, dtype=torch.float64),), shard_size=4)
+
+
 class _SSMWithMLP(DiagonalSSM):
     """SSM layers interleaved with MLP blocks (``y + W2 gelu(W1 norm(y))``), a common hybrid layout."""
 
