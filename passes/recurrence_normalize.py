@@ -108,6 +108,8 @@ def unmerge_matmuls(gm: fx.GraphModule) -> int:
                 lin = _emit(graph, aten.linear.default, (src, w, None), out)
                 new = _emit(graph, aten.permute.default, (lin, [len(rows), *range(len(rows))]), out)
             if _shape(new) != lead:
+                graph.erase_node(new)
+                graph.erase_node(lin)
                 continue
             out.replace_all_uses_with(new)
             count += 1
