@@ -71,6 +71,19 @@ def _base(n: Any) -> Any:
     return n
 
 
+_SAME_SHAPE_VIEWS = (aten.reshape.default, aten.view.default, aten.expand.default, aten._unsafe_view.default)
+
+
+def _strip_noop_views(n: Any) -> Any:
+    """``n`` without reshapes/expands that keep its shape (what a decomposed-then-restored
+    ``matmul`` leaves around its operands)."""
+    while (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _SAME_SHAPE_VIEWS
+           and isinstance(n.args[0], fx.Node) and _val(n) is not None and _val(n.args[0]) is not None
+           and tuple(_val(n).shape) == tuple(_val(n.args[0]).shape)):
+        n = n.args[0]
+    return n
+
+
 def _pairs(n: fx.Node) -> list[tuple[Any, Any]]:
     x, y = n.args[0], n.args[1]
     return [(x, y), (y, x)]
@@ -122,6 +135,7 @@ def match_folded_initial_state(u: fx.Node, a: Optional[fx.Node], td: int, kind: 
         if term.op != "call_function" or term.target not in ops:
             continue
         for s, carry in (_pairs(term) if kind == "diagonal" else [(term.args[0], term.args[1])]):
+            s, carry = _strip_noop_views(s), _strip_noop_views(carry)
             sl = _time_slice(s, rank, td)
             if sl is None or sl[1:] != (0, 1) or _base(sl[0]) is not _base(a) or not isinstance(carry, fx.Node):
                 continue

@@ -237,3 +237,17 @@ def test_mlp_blocks_between_recurrences_are_recomputed_in_shards(layers):
     block_inputs = layers * batch * T * d * 8  # each MLP keeps the residual stream entering it
     assert saved == layer_inputs + block_inputs + layers * n_ckpt * batch * n * d * 8, saved
     assert saved * 4 < _saved_bytes(model, model, y)
+
+
+def test_dense_associative_scan_with_a_learned_h0_saves_what_the_loop_saves():
+    """The h0 fold of the dense form reads ``A[:, :1] @ h0`` through the reshapes a decomposed-then-
+    restored matmul leaves: it is unfolded like the diagonal one (was 7x the loop's saved bytes)."""
+    ids = torch.randint(0, CFG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(9))
+
+    def saved(cls) -> int:
+        torch.manual_seed(0)
+        model = cls(SSMConfig(vocab_size=CFG["vocab_size"], d_model=8, d_state=3, decay="dense",
+                              scan="associative_scan", learn_initial_state=True, n_layers=2)).double()
+        return _saved_bytes(model, gs.compile(model, plan="adjoint", shard_size=8), ids)
+
+    assert saved(SelectiveSSMLM) == saved(LoopSSMLM)
