@@ -41,11 +41,20 @@ from torch import Tensor, nn
 
 from gradshard.ir import Stage
 
-from .adjoint_respecialize import DimFact, respecialize, shard_bounds, time_length
+from .adjoint_respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from .adjoint_scan import recurrence_for
 from .truncated import TruncatedSweep
 
 __all__ = ["ScanSpec", "RegionIO", "InputRemat", "AdjointRegion", "AdjointFunction"]
+
+
+def _zeros_like_input(x: Optional[Tensor], like: Optional[tuple]) -> Tensor:
+    """A zero gradient buffer for a region input; a recomputed input (``x is None``) is described by
+    ``like = (shape, dtype, device)``."""
+    if x is not None:
+        return torch.zeros_like(x)
+    shape, dtype, device = like
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -419,18 +428,8 @@ class AdjointFunction(torch.autograd.Function):
             if outs_v and targets:
                 gi = torch.autograd.grad(outs_v, [t for _, t in targets], grads_v, allow_unused=True)
                 for (i, _), gv in zip(targets, gi):
-                    if gv is None:
-                        continue
-                    d = io.input_time_dims[i]
-                    if d is None:
-                        grads_in[i] = gv if grads_in[i] is None else grads_in[i] + gv
-                    else:
-                        if grads_in[i] is None:
-                            if inputs[i] is None:
-                                shape, dtype, device = ctx.remat_like[i]
-                                grads_in[i] = torch.zeros(shape, dtype=dtype, device=device)
-                            else:
-                                grads_in[i] = torch.zeros_like(inputs[i])
-                        grads_in[i].narrow(d, ws, we - ws).add_(gv)
+                    if gv is not None:
+                        add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
+                                       lambda i=i: _zeros_like_input(inputs[i], ctx.remat_like.get(i)))
             del outs, prod, a, u, rs, ys, got, outs_v, grads_v
         return (None, *grads_in, *([None] * ctx.n_extra))

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gradshard.ir import Stage
 
-from .adjoint_respecialize import DimFact, respecialize, shard_bounds, time_length
+from .adjoint_respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 
 __all__ = ["LocalSegment", "LocalSegmentFunction"]
 
@@ -161,14 +161,8 @@ class LocalSegmentFunction(torch.autograd.Function):
             got = torch.autograd.grad([p[0] for p in pairs], [leaves[i] for i in targets], [p[1] for p in pairs],
                                       allow_unused=True)
             for i, gv in zip(targets, got):
-                if gv is None:
-                    continue
-                d = seg.input_time_dims[i]
-                if d is None:
-                    grads_in[i] = gv if grads_in[i] is None else grads_in[i] + gv
-                else:
-                    if grads_in[i] is None:
-                        grads_in[i] = torch.zeros_like(inputs[i])
-                    grads_in[i].narrow(d, s, e - s).copy_(gv)
+                if gv is not None:
+                    add_input_grad(grads_in, i, gv, seg.input_time_dims[i], s, e,
+                                   lambda i=i: torch.zeros_like(inputs[i]))
             del ys, pairs, got
         return (None, *grads_in)

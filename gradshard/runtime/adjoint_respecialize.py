@@ -324,6 +324,18 @@ def time_length(inputs: Sequence[Any], time_dims: Sequence[Optional[int]], who: 
     raise RuntimeError(f"{who} carries the time axis")
 
 
+def add_input_grad(grads: list[Optional[torch.Tensor]], i: int, g: torch.Tensor, time_dim: Optional[int],
+                   start: int, stop: int, zeros: Callable[[], torch.Tensor]) -> None:
+    """Accumulate a shard's gradient ``g`` of input ``i`` into ``grads[i]``: whole when the input has
+    no time dim, else into ``[start, stop)`` along ``time_dim`` of a full-length buffer (``zeros()``)."""
+    if time_dim is None:
+        grads[i] = g if grads[i] is None else grads[i] + g
+        return
+    if grads[i] is None:
+        grads[i] = zeros()
+    grads[i].narrow(time_dim, start, stop - start).add_(g)
+
+
 def shard_bounds(T: int, shard_size: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` covering ``[0, T)`` in shards of ``shard_size`` (one empty shard for T=0)."""
     S = max(1, shard_size)
