@@ -38,8 +38,8 @@ from gradshard.pipeline import PassContext, PassResult, graph_pass
 from . import recurrence_ops
 from .detect_recurrence import ScanSite, find_scan_sites
 from .recurrence_fold import FoldedInitialState, emit_initial_state, match_folded_initial_state
-from .recurrence_logspace import rewrite_heinsen_scans
 from .recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
+from .recurrence_logspace import rewrite_heinsen_scans
 from .recurrence_normalize import unmerge_matmuls
 
 aten = torch.ops.aten

@@ -24,7 +24,7 @@ from .recurrence_graph import fake_run
 
 aten = torch.ops.aten
 
-__all__ = ["FoldedInitialState", "match_folded_initial_state", "emit_initial_state"]
+__all__ = ["FoldedInitialState", "match_folded_initial_state", "emit_initial_state", "time_slice"]
 
 _BROADCASTS = (aten.expand.default, aten.expand_as.default, aten.broadcast_to.default)
 
@@ -46,7 +46,7 @@ def _arg(n: fx.Node, i: int, name: str, default: Any) -> Any:
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
-def _time_slice(n: Any, rank: int, td: int) -> Optional[tuple[fx.Node, int, int]]:
+def time_slice(n: Any, rank: int, td: int) -> Optional[tuple[fx.Node, int, int]]:
     """``(src, start, end)`` when ``n = src[..., start:end, ...]`` along the (right-aligned) time dim ``td``."""
     if not isinstance(n, fx.Node) or n.op != "call_function" or n.target is not aten.slice.Tensor:
         return None
@@ -116,7 +116,7 @@ def match_folded_initial_state(u: fx.Node, a: Optional[fx.Node], td: int, kind: 
     if (_arg(u, 1, "dim", 0) % rank) != td or len(pieces) != 2 or int(uv.shape[td]) < 2:
         return None
     first, rest = pieces
-    r = _time_slice(rest, rank, td)
+    r = time_slice(rest, rank, td)
     if r is None or _val(r[0]) is None or _val(r[0]).dim() != rank or r[1:] != (1, int(uv.shape[td])):
         return None
     src = r[0]
@@ -125,7 +125,7 @@ def match_folded_initial_state(u: fx.Node, a: Optional[fx.Node], td: int, kind: 
     if not isinstance(first, fx.Node) or first.target is not aten.add.Tensor or _arg(first, 2, "alpha", 1) != 1:
         return None
     for x, term in _pairs(first):
-        if _time_slice(x, rank, td) != (src, 0, 1) or not isinstance(term, fx.Node):
+        if time_slice(x, rank, td) != (src, 0, 1) or not isinstance(term, fx.Node):
             continue
         if a is None:
             if _fits_first_step(term, uv, td):
@@ -136,7 +136,7 @@ def match_folded_initial_state(u: fx.Node, a: Optional[fx.Node], td: int, kind: 
             continue
         for s, carry in (_pairs(term) if kind == "diagonal" else [(term.args[0], term.args[1])]):
             s, carry = _strip_noop_views(s), _strip_noop_views(carry)
-            sl = _time_slice(s, rank, td)
+            sl = time_slice(s, rank, td)
             if sl is None or sl[1:] != (0, 1) or _base(sl[0]) is not _base(a) or not isinstance(carry, fx.Node):
                 continue
             if _fits_first_step(carry, uv, td):

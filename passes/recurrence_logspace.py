@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .recurrence_fold import time_slice
 from .recurrence_graph import emit_node, live_nodes, live_users, time_from_dim1, time_to_dim1
 
 aten = torch.ops.aten
@@ -133,19 +134,6 @@ def _prepended_initial_state(m: HeinsenScan) -> Optional[tuple[fx.Node, fx.Node]
     return first, rest
 
 
-def _slice_bounds(node: fx.Node, td: int, length: int) -> Optional[tuple[int, int]]:
-    """``(start, end)`` of ``node = x[..., start:end]`` along ``td`` (step 1), normalised to ``length``."""
-    if node.target is not aten.slice.Tensor:
-        return None
-    args = list(node.args) + [None] * (5 - len(node.args))
-    dim, start, end, step = (args[1] or 0), args[2], args[3], (args[4] or 1)
-    if int(dim) % node.meta["val"].dim() != td or step != 1:
-        return None
-    start = 0 if start is None else (start + length if start < 0 else start)
-    end = length if end is None else (end + length if end < 0 else end)
-    return max(0, min(start, length)), max(0, min(end, length))
-
-
 def _rewrite_one(gm: fx.GraphModule, m: HeinsenScan) -> str:
     graph = gm.graph
     rank = m.log_h.meta["val"].dim()
@@ -178,11 +166,12 @@ def _rewrite_one(gm: fx.GraphModule, m: HeinsenScan) -> str:
 def _read_slices_from_the_scan(graph: fx.Graph, full: fx.Node, h: fx.Node, td: int) -> None:
     """``cat([h0, h])[..., s:e]`` with ``s >= 1`` (how these models drop the h0 step) reads ``h``."""
     length = full.meta["val"].shape[td]
+    rank = full.meta["val"].dim()
     for user in list(full.users):
-        bounds = _slice_bounds(user, td, length)
-        if bounds is None or bounds[0] < 1:
+        bounds = time_slice(user, rank, td)
+        if bounds is None or bounds[0] is not full or bounds[1] < 1:
             continue
-        start, end = bounds[0] - 1, bounds[1] - 1
+        start, end = bounds[1] - 1, bounds[2] - 1
         if start == 0 and end >= length - 1:
             user.replace_all_uses_with(h)
             continue
