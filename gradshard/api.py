@@ -8,6 +8,7 @@ arguments) gets its own capture and program; nothing is silently reused across s
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import Captured, capture, capture_graph_module, guard_key
+from .capture import Captured, capture, capture_graph_module, guard_key, state_key
 from .errors import GradshardError
 from .ir import PassRecord, Region
 from .pipeline import PassContext, run_passes
@@ -25,6 +26,9 @@ from .schedule import Program, build_program
 __all__ = ["compile", "CompiledModule", "CompiledGraph", "backend", "plans", "compile_graph"]
 
 log = logging.getLogger("gradshard")
+
+#: Specialisations a compiled module keeps (least recently used dropped first).
+DEFAULT_CACHE_SIZE = 8
 
 
 @dataclass
@@ -83,10 +87,12 @@ class CompiledModule(nn.Module):
 
     def __init__(self, target: nn.Module | Callable[..., Any], plan: str = "none", *,
                  frontend: str = "python", time_axis: tuple[int, int] | None = None,
-                 backend: str | None = None, **options: Any) -> None:
+                 backend: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE, **options: Any) -> None:
         super().__init__()
         spec = get_plan(plan)
         spec.make_options(**options)  # fail fast on bad options
+        _check_compile_args(frontend, time_axis, backend, cache_size)
+        self.cache_size = cache_size
         self.plan = plan
         self.options = options
         self.frontend = frontend
@@ -96,7 +102,7 @@ class CompiledModule(nn.Module):
             self.model = target
         else:
             self._fn = target
-        self._cache: dict[tuple, CompiledGraph] = {}
+        self._cache: OrderedDict[tuple, CompiledGraph] = OrderedDict()
         self._last: CompiledGraph | None = None
         self._specializers: list[Specializer] = []
 
@@ -110,25 +116,39 @@ class CompiledModule(nn.Module):
         entry = self.compiled_for(*args, **kwargs)
         cap = entry.captured
         assert cap is not None
-        flat = [*cap.state(), *cap.flat_inputs(args, kwargs)]
-        out = entry.gm(*flat)
-        return cap.rebuild_output(list(out))
+        flat = [*cap.call_state(), *cap.flat_inputs(args, kwargs)]
+        return cap.finish(list(entry.gm(*flat)))
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        """The guards of a specialisation: the inputs' signature and the modules' state."""
+        return (guard_key(args, kwargs), state_key(self.target, args, kwargs))
 
     def compiled_for(self, *args: Any, **kwargs: Any) -> CompiledGraph:
         """The specialisation for this input signature: cached, served by a registered
         specialiser (e.g. the adjoint plan's new-length server), or captured and compiled."""
-        key = guard_key(args, kwargs)
+        key = self._key(args, kwargs)
         entry = self._cache.get(key)
-        if entry is None:
+        if entry is not None:
+            self._cache.move_to_end(key)
+        else:
             for serve in self._specializers:
                 entry = serve(self, args, kwargs)
                 if entry is not None:
-                    self._cache[key] = entry
+                    self._remember(key, entry)
                     break
             else:
                 entry = self.specialize(args, kwargs)
         self._last = entry
         return entry
+
+    def _remember(self, key: tuple, entry: CompiledGraph) -> None:
+        """Cache ``entry`` under ``key``; the least recently used entry goes beyond ``cache_size``."""
+        if self._cache and key not in self._cache:
+            entry.extras.setdefault("recaptured_because", _guard_change(next(reversed(self._cache)), key))
+        self._cache[key] = entry
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
 
     def specialize(self, args: tuple, kwargs: dict | None = None, *,
                    real_values: Mapping[int, torch.Tensor] | None = None) -> CompiledGraph:
@@ -139,8 +159,10 @@ class CompiledModule(nn.Module):
         real parameter values, e.g. whether a decay mask is causal).
         """
         kwargs = kwargs or {}
+        key = self._key(args, kwargs)
         if self._cache:
-            log.info("gradshard: new input signature, capturing again (%d cached)", len(self._cache))
+            log.info("gradshard: %s: capturing again (%d cached)",
+                     _guard_change(next(reversed(self._cache)), key), len(self._cache))
         # Compiling runs parts of the model (tracing, checks on the example inputs); it must
         # not consume the user's random stream, or a seeded first call would differ from eager.
         with torch.random.fork_rng():
@@ -153,7 +175,7 @@ class CompiledModule(nn.Module):
         hook = getattr(entry.gm, "gs_attach", None)
         if callable(hook):
             hook(self)
-        self._cache[guard_key(args, kwargs)] = entry
+        self._remember(key, entry)
         self._last = entry
         return entry
 
@@ -235,6 +257,11 @@ class CompiledModule(nn.Module):
         spec = get_plan(e.plan)
         lines = [f"gradshard plan {e.plan!r} ({spec.gradient}); options: {e.options}"]
         lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
+        if "recaptured_because" in e.extras:
+            lines.append(f"captured again because {e.extras['recaptured_because']}")
+        if e.captured is not None and e.captured.buffer_updates:
+            names = [e.captured.buffer_names[i] for i in e.captured.buffer_updates]
+            lines.append(f"buffers updated in forward (written back once per call): {', '.join(names)}")
         substituted = e.captured.gm.meta.get("gs_substituted") if e.captured else None
         if substituted:
             lines.append(f"substituted traceable twins for: {', '.join(substituted)}")
@@ -251,14 +278,45 @@ class CompiledModule(nn.Module):
 
 def compile(model_or_fn: nn.Module | Callable[..., Any], plan: str = "none", *, frontend: str = "python",
             time_axis: tuple[int, int] | None = None, backend: str | None = None,
-            **options: Any) -> CompiledModule:
+            cache_size: int = DEFAULT_CACHE_SIZE, **options: Any) -> CompiledModule:
     """Compile ``model_or_fn`` with ``plan`` (see ``gs.plans()`` and DESIGN.md for options).
 
     ``frontend`` picks the capture front door (``"python"``, ``"fx"``, ``"dynamo"``);
     ``time_axis=(input_index, dim)`` overrides time-axis inference; ``backend`` forces the
-    kernel backend (``"torch"`` or ``"triton"``; default: Triton on CUDA, torch elsewhere).
+    kernel backend (``"torch"`` or ``"triton"``; default: Triton on CUDA, torch elsewhere);
+    ``cache_size`` bounds the specialisations kept (least recently used dropped first).
     """
-    return CompiledModule(model_or_fn, plan, frontend=frontend, time_axis=time_axis, backend=backend, **options)
+    return CompiledModule(model_or_fn, plan, frontend=frontend, time_axis=time_axis, backend=backend,
+                          cache_size=cache_size, **options)
+
+
+def _check_compile_args(frontend: Any, time_axis: Any, backend: Any, cache_size: Any) -> None:
+    """Validate ``gs.compile``'s own arguments when it is called, not at the first call."""
+    from .capture import FRONTENDS
+
+    if frontend not in FRONTENDS:
+        raise GradshardError(f"unknown frontend {frontend!r}; choose one of {FRONTENDS}")
+    if time_axis is not None and not (isinstance(time_axis, tuple) and len(time_axis) == 2
+                                      and all(isinstance(v, int) and not isinstance(v, bool) for v in time_axis)):
+        raise GradshardError(f"time_axis must be a tuple (input_index, dim) of ints, got {time_axis!r}")
+    if backend not in (None, "torch", "triton"):
+        raise GradshardError(f"backend must be 'torch', 'triton' or None, got {backend!r}")
+    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+        raise GradshardError(f"cache_size must be a positive int, got {cache_size!r}")
+
+
+def _guard_change(old: tuple, new: tuple) -> str:
+    """Which guard failed between two cache keys, in words."""
+    (old_in, old_state), (new_in, new_state) = old, new
+    if old_in != new_in:
+        diffs = [f"{a} -> {b}" for a, b in zip(old_in, new_in) if a != b]
+        return "the inputs changed (" + ("; ".join(map(str, diffs[:2])) or "structure") + ")"
+    olds = {k[0]: k for k in old_state if isinstance(k, tuple) and k and isinstance(k[0], str)}
+    news = {k[0]: k for k in new_state if isinstance(k, tuple) and k and isinstance(k[0], str)}
+    changed = sorted(n for n in olds.keys() | news.keys() if olds.get(n) != news.get(n))
+    if changed:
+        return "parameters/buffers changed (" + ", ".join(changed[:3]) + ": added, removed, or new shape, dtype, device or requires_grad)"
+    return "a module's training mode changed (train()/eval())"
 
 
 def backend(plan: str = "none", *, kernel_backend: str | None = None,

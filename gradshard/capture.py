@@ -36,10 +36,11 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
+from .capture_mutations import functionalize_buffer_updates
 from .errors import CaptureError
 from .substitutions import substitute_known_kernels
 
-__all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key"]
+__all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key", "state_key"]
 
 FRONTENDS = ("python", "fx", "dynamo")
 # Tracing swaps global dispatch state; ranks run as threads in tests and share it.
@@ -125,6 +126,10 @@ class Captured:
     constant_leaves: list[Any]
     rebuild_output: Callable[[Sequence[Any]], Any]
     example_inputs: list[torch.Tensor]
+    modules: list[tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
+    #: Buffers (indices into ``buffers``) the forward updates: their new values are the
+    #: graph's last outputs, written back by :meth:`finish` (see ``capture_mutations``).
+    buffer_updates: tuple[int, ...] = ()
 
     @property
     def num_state(self) -> int:
@@ -135,7 +140,70 @@ class Captured:
         return [leaves[i] for i in self.tensor_positions]
 
     def state(self) -> list[torch.Tensor]:
-        return [*self.params, *self.buffers]
+        """The parameters and buffers the modules hold *now*, in placeholder order.
+
+        Read by name at every call, so a Parameter or buffer rebound after capture
+        (``layer.weight = nn.Parameter(w)``) is the one the graph runs on.
+        """
+        if not self.modules:
+            return [*self.params, *self.buffers]
+        return [getattr(owner, attr) for owner, attr in self._slots()]
+
+    def call_state(self) -> list[torch.Tensor]:
+        """:meth:`state` as a graph call reads it: buffers the forward updates are passed as
+        copies, so the write-back in :meth:`finish` cannot change what a backward recompute
+        (a chunk, a shard) reads, nor a tensor autograd saved."""
+        state = self.state()
+        for i in self.buffer_updates:
+            j = len(self.params) + i
+            state[j] = state[j].clone()
+        return state
+
+    def _slots(self) -> list[tuple[nn.Module, str]]:
+        slots = self.__dict__.get("_slot_cache")
+        if slots is None:
+            slots = [_slot(self.modules, name) for name in (*self.param_names, *self.buffer_names)]
+            self.__dict__["_slot_cache"] = slots
+        return slots
+
+    def finish(self, flat_out: Sequence[Any]) -> Any:
+        """Write the forward's buffer updates back (once, as eager does) and rebuild the
+        user's output structure from the graph's flat outputs."""
+        n = len(flat_out) - len(self.buffer_updates)
+        if self.buffer_updates:
+            current = self.state()[len(self.params):]
+            with torch.no_grad():
+                for i, new in zip(self.buffer_updates, flat_out[n:]):
+                    current[i].copy_(new)
+        return self.rebuild_output(list(flat_out[:n]))
+
+
+def _slot(modules: Sequence[tuple[str, nn.Module]], name: str) -> tuple[nn.Module, str]:
+    """The (owning submodule, attribute) that holds the parameter or buffer ``name``."""
+    root = next((m for prefix, m in modules if prefix and name.startswith(prefix + ".")), None)
+    if root is not None:
+        name = name.split(".", 1)[1]
+    else:
+        root = next(m for prefix, m in modules if not prefix)
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
+def state_key(target: Any, args: tuple, kwargs: dict) -> tuple:
+    """What a capture is specialised on in the modules' state: every module's training
+    flag and every parameter's and buffer's name, shape, dtype, device and requires_grad.
+
+    Values are not part of it (the graph reads them at each call), so in-place updates and
+    rebinding to a tensor of the same kind reuse the capture; ``.eval()``, freezing, a new
+    parameter or a dtype/device move capture again.
+    """
+    key: list[Any] = []
+    for prefix, mod in _find_modules(target, args, kwargs):
+        key.append(prefix)
+        key.append(tuple(m.training for m in mod.modules()))
+        for name, t in (*mod.named_parameters(), *mod.named_buffers()):
+            key.append((name, tuple(t.shape), t.dtype, t.device, t.requires_grad))
+    return tuple(key)
 
 
 def guard_key(args: tuple, kwargs: dict) -> tuple:
@@ -351,7 +419,10 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
         rebuild_box["rebuild"] = rebuild
         return flat_out
 
-    example = [p for _, p in named_params] + [b for _, b in named_buffers] + [leaves[i] for i in tensor_positions]
+    # Trace on copies of the buffers: tracing runs the forward, and an update it makes
+    # (a counter, BatchNorm statistics) must not reach the user's buffers.
+    traced_buffers = [b.detach().clone().requires_grad_(b.requires_grad) for _, b in named_buffers]
+    example = [p for _, p in named_params] + traced_buffers + [leaves[i] for i in tensor_positions]
     try:
         gm = _trace(flat_fn, example, modules if frontend == "python" else [])
     except CaptureError:
@@ -365,6 +436,8 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
             "mark the call a leaf with gradshard.capture.register_leaf_module."
         ) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    updates = functionalize_buffer_updates(gm, phs[n_p : n_p + n_b], [n for n, _ in named_buffers])
     return Captured(
         gm=gm,
         frontend=frontend,
@@ -377,6 +450,8 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
         constant_leaves=leaves,
         rebuild_output=rebuild_box["rebuild"],
         example_inputs=example,
+        modules=modules,
+        buffer_updates=updates,
     )
 
 

@@ -13,6 +13,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from .errors import GradshardError
 
 __all__ = ["PlanSpec", "PLANS", "plans", "get_plan", "register_plan"]
@@ -116,12 +118,22 @@ class PlanSpec:
 
 
 def _validate(name: str, opts: Any) -> None:
+    """Check option values when ``gs.compile`` is called, not at the first call."""
     for f in ("shard_size", "chunk_size", "window", "budget", "num_slices"):
         v = getattr(opts, f, None)
-        if v is not None and (not isinstance(v, int) or v < 1):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise GradshardError(f"plan {name!r}: {f} must be a positive int, got {v!r}")
     if getattr(opts, "sampling", "bernoulli") not in ("bernoulli", "fixed"):
         raise GradshardError(f"plan {name!r}: sampling must be 'bernoulli' or 'fixed', got {opts.sampling!r}")
+    cap = getattr(opts, "max_compensation", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise GradshardError(f"plan {name!r}: max_compensation must be a positive number or None, got {cap!r}")
+    gen = getattr(opts, "generator", None)
+    if gen is not None and not isinstance(gen, torch.Generator):
+        raise GradshardError(f"plan {name!r}: generator must be a torch.Generator or None, got {type(gen).__name__}")
+    index = getattr(opts, "slice_index", None)
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+        raise GradshardError(f"plan {name!r}: slice_index must be a non-negative int or None, got {index!r}")
 
 
 # Detection runs first in every plan; it only needs the time-locality analysis, which

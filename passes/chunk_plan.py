@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
+from gradshard.errors import UnsupportedGraphError, node_error
 from gradshard.ir import Region
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.runtime.chunk_cache import CacheSpec
@@ -216,14 +216,21 @@ def _backfill(node: fx.Node, frame: Frame, overrides: dict[str, Frame]) -> bool:
 def _check_boundary(nodes: dict[str, fx.Node], rules: dict[str, NodeRule], slots: dict[str, list[fx.Node]],
                     needed: set[fx.Node]) -> None:
     """Time leaves the region only through whole-sequence reductions; those stay outside it."""
+    reduced: dict[str, str] = {}  # node -> the whole-sequence reduction it is computed from
     for name, rule in rules.items():
         node = nodes[name]
         if node.op != "call_function":
             continue
         ins = [a for a, m in zip(slots[name], rule.slots) if m is not SKIP]  # SKIP: dtype/device only
-        if rule.frame and any(rules[a.name].kind == "global" for a in ins if a.name in rules):
-            g = next(a for a in ins if rules[a.name].kind == "global")
-            raise node_error(node, f"uses `{g.name}`, a reduction over the whole sequence, inside the model "
+        if rule.kind == "global":
+            reduced[name] = name
+        elif not rule.frame:
+            source = next((reduced[a.name] for a in ins if a.name in reduced), None)
+            if source is not None:
+                reduced[name] = source
+        if rule.frame and any(a.name in reduced for a in ins):
+            g = reduced[next(a.name for a in ins if a.name in reduced)]
+            raise node_error(node, f"uses `{g}`, a reduction over the whole sequence, inside the model "
                              "(every step then depends on future steps)", _INSTEAD)
         if not rule.frame and rule.kind not in ("global",) and any(rules[a.name].frame for a in ins if a.name in rules):
             raise node_error(node, "drops the time axis in a way that is not a sum or mean over all steps "
@@ -413,15 +420,6 @@ def _estimates(program: ChunkProgram, stats: dict[int, tuple[int, int, list[tupl
 # --------------------------------------------------------------------------- the pass
 
 
-def _check_spaco_options(opts: Any) -> None:
-    cap = getattr(opts, "max_compensation", None)
-    if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
-        raise GradshardError(f"plan 'spaco': max_compensation must be a positive number or None, got {cap!r}")
-    gen = getattr(opts, "generator", None)
-    if gen is not None and not isinstance(gen, torch.Generator):
-        raise GradshardError(f"plan 'spaco': generator must be a torch.Generator or None, got {type(gen).__name__}")
-
-
 @graph_pass
 def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Prove the graph runs one chunk at a time and build its chunk program (analysis only).
@@ -432,7 +430,6 @@ def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     tl = ctx.analyses.get("time")
     if tl is None:
         raise UnsupportedGraphError("chunked plans need the time analysis (annotate_time_locality) first")
-    _check_spaco_options(ctx.options)
     program = build_chunk_program(gm, tl, ctx.regions, ctx.options.chunk_size)
     flat = list(ctx.example_inputs)
     notes = dry_run(program, flat)

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.analysis.node_costs import node_cost
+from gradshard.analysis.effects import draws_random_numbers
 from gradshard.errors import UnsupportedGraphError, node_error
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext, PassResult, graph_pass
@@ -201,6 +202,17 @@ def _collect(gm: fx.GraphModule, plans: list[RegionPlan], remats: list[list[Inpu
     with torch.no_grad():
         col.run(*example)
     return col.values
+
+
+def _refuse_random_recompute(recomputed: list[fx.Node]) -> None:
+    """The adjoint backward recomputes regions, rematerialised inputs and time-local segments
+    shard by shard: a random op among them would draw new numbers and give a wrong gradient."""
+    for n in recomputed:
+        if draws_random_numbers(n):
+            raise node_error(n, f"{getattr(n.target, '__name__', n.target)} draws random numbers, and the "
+                             "adjoint backward recomputes it shard by shard, which would draw different numbers "
+                             "and give a wrong gradient", "disable dropout/noise in the recurrent layers "
+                             "(model.eval() or p=0), or use plan='none'")
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
@@ -400,6 +412,7 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                    if d is not None and i not in {r.index for r in rm}}
     remat_nodes = {n for rm in remats for r in rm for n in r.nodes}
     tails, tail_modules = _tails(new, tl, facts, region_groups, kept_anyway, shard, remat_nodes)
+    _refuse_random_recompute([*(n for g in region_groups for n in g), *remat_nodes, *(n for t in tails for n in t.nodes)])
     values = _collect(new, plans, remats, tails, list(ctx.example_inputs)) if verify else {}
     if verify:
         checked = [_verified_remats(new, plan, rm, values) for plan, rm in zip(plans, remats)]

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gradshard.errors import GradshardError
+
 from .consts import evaluate_constant
 from .dims import DimAnalysis, analyze_dims, shape_of
 
@@ -40,7 +42,7 @@ __all__ = ["Reach", "TimeInfo", "TimeLocality", "analyze_time_locality", "infer_
            "NoTimeAxisError", "SCAN_OPS"]
 
 
-class NoTimeAxisError(ValueError):
+class NoTimeAxisError(GradshardError, ValueError):
     """The graph has no dimension that behaves like time."""
 
 
