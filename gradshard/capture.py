@@ -23,6 +23,7 @@ front door; it raises :class:`CaptureError` naming the line.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import threading
 import traceback
@@ -36,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
+from .capture_canonical import canonicalize
 from .capture_mutations import functionalize_buffer_updates
 from .errors import CaptureError
 from .substitutions import substitute_known_kernels
@@ -50,11 +52,15 @@ _TRACE_LOCK = threading.RLock()
 # --------------------------------------------------------------------------- outputs
 
 
+_depth = [0]  # nesting of plain objects flattened by attribute (bounds reference cycles)
+
+
 def flatten_output(obj: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
     """Flatten a model output into leaves, returning a function that rebuilds it.
 
-    Handles tensors, tuples/lists/dicts and dataclass instances (HF-style ``ModelOutput``
-    included) recursively; other leaves (None, numbers) are kept as constants.
+    Handles tensors, tuples/lists/dicts, dataclass instances (HF-style ``ModelOutput``
+    included) and other objects holding tensors as attributes (a KV cache) recursively;
+    other leaves (None, numbers, objects without tensors) are kept as constants.
     """
     if isinstance(obj, torch.Tensor):
         return [obj], lambda leaves: leaves[0]
@@ -93,8 +99,26 @@ def flatten_output(obj: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]
             return cls(*items) if is_named else cls(items)
 
         return leaves, rebuild_seq
-    if obj is None or isinstance(obj, (int, float, bool, str)):
+    if obj is None or isinstance(obj, (int, float, bool, str, torch.dtype, torch.device)):
         return [], lambda leaves: obj
+    if hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)) and _depth[0] < 8:
+        # Another object that holds tensors (e.g. a transformers KV cache returned with the
+        # logits): its tensor attributes become outputs; a shallow copy with the new tensors
+        # rebuilds it. An object with no tensor is kept as it was traced.
+        _depth[0] += 1
+        try:
+            leaves, rebuild_attrs = flatten_output(dict(vars(obj)))
+        finally:
+            _depth[0] -= 1
+        if not leaves:
+            return [], lambda ls: obj
+
+        def rebuild_object(ls: Sequence[Any]) -> Any:
+            new = copy.copy(obj)
+            new.__dict__.update(rebuild_attrs(ls))
+            return new
+
+        return leaves, rebuild_object
     raise CaptureError(
         f"cannot capture an output of type {type(obj).__name__}: outputs must be tensors, "
         "tuples, lists, dicts or dataclasses of them. Return tensors (or wrap the model in a "
@@ -436,6 +460,7 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
             "mark the call a leaf with gradshard.capture.register_leaf_module."
         ) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
+    canonicalize(gm)
     phs = list(gm.graph.find_nodes(op="placeholder"))
     updates = functionalize_buffer_updates(gm, phs[n_p : n_p + n_b], [n for n, _ in named_buffers])
     return Captured(

@@ -41,7 +41,7 @@ from gradshard.runtime.chunked import ChunkEstimate, ChunkProgram, RegionOutput
 
 aten = torch.ops.aten
 
-__all__ = ["build_chunk_program", "dry_run", "plan_chunk_program", "outer_nodes"]
+__all__ = ["build_chunk_program", "dry_run", "plan_chunk_program", "outer_nodes", "hoisted_subgraph", "hoisted_values"]
 
 _INSTEAD = "use plan='none' (plain autograd) for this model"
 
@@ -99,16 +99,20 @@ def _seq_len(gm: fx.GraphModule, rules: dict[str, NodeRule]) -> int:
     return max(t.length for f in frames for t in f)
 
 
-def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], chunk_size: int) -> ChunkProgram:
-    """Steps 1-3 of the module doc (the dry run is :func:`dry_run`)."""
+def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], chunk_size: int,
+                        example_inputs: Sequence[Any] = ()) -> ChunkProgram:
+    """Steps 1-3 of the module doc (the dry run is :func:`dry_run`). ``example_inputs`` (the
+    flat placeholder values) tell which inputs require grad; without them every input is
+    taken to, and nothing is hoisted."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     out_args = [a for a in _flatten(out_node.args[0]) if isinstance(a, fx.Node)]
     needed = _ancestors(out_args)
     sources, designated = _attention_sources(regions, nodes)
     overrides: dict[str, Frame] = {}
+    grad_free = _grad_free(gm, example_inputs)
     for _ in range(8):
-        rules, missing = _build_rules(gm, needed, tl, sources, overrides)
+        rules, missing, hoisted = _build_rules(gm, needed, tl, sources, overrides, grad_free)
         if not missing:
             break
         if not any([_backfill(arg, frame, overrides) for _, arg, frame in missing]):
@@ -128,18 +132,72 @@ def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], 
             cache_points[name] = CacheSpec(name, frame[0].dim, frame[0].length, None, reason)
         elif rules[name].kind == "scan":
             raise node_error(nodes[name], "a scan whose state gradshard cannot carry across chunks", _INSTEAD)
-    flat_names = [p.name for p in placeholders]
+    flat_names = [p.name for p in placeholders] + hoisted
     return ChunkProgram(
         gm=gm, nodes=nodes, rules=rules, slots=slots, flat_index={n: i for i, n in enumerate(flat_names)},
         flat_names=flat_names, seq_len=_seq_len(gm, rules), chunk_size=chunk_size, outputs=outputs,
-        cache_points=cache_points, stateful=stateful, attention=sources)
+        cache_points=cache_points, stateful=stateful, attention=sources, hoisted=tuple(hoisted))
+
+
+def _grad_free(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> set[fx.Node]:
+    """Nodes no gradient flows through and that read no floating-point model input: computed
+    from token ids, integer or boolean masks, buffers and constants that do not require grad
+    (position ids, masks, RoPE tables, the packed-sequence probe). A float input is data the
+    model transforms, never hoisted even when nothing requires grad."""
+    free: set[fx.Node] = set()
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(example_inputs) != len(placeholders):
+        return free
+    values = dict(zip(placeholders, example_inputs))
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            val = values.get(node) if node.op == "placeholder" else getattr(gm, node.target, None)
+            data = (node.op == "placeholder" and str(node.meta.get("gs_input_name", "")).startswith("input")
+                    and isinstance(val, torch.Tensor) and val.is_floating_point())
+            if not data and not (isinstance(val, torch.Tensor) and val.requires_grad):
+                free.add(node)
+        elif node.op == "call_function" and all(a in free for a in node.all_input_nodes):
+            free.add(node)
+    return free
+
+
+def hoisted_subgraph(program: ChunkProgram) -> list[fx.Node]:
+    """The hoisted nodes and the nodes they are computed from, in graph order (no placeholders)."""
+    stack = [program.nodes[n] for n in program.hoisted]
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in program.gm.graph.nodes if n in seen]
+
+
+def hoisted_values(program: ChunkProgram, flat: Sequence[Any]) -> list[Any]:
+    """Whole-sequence values of the hoisted nodes, computed from the region's flat inputs."""
+    env: dict[fx.Node, Any] = {ph: flat[i] for i, ph in enumerate(program.gm.graph.find_nodes(op="placeholder"))}
+    for node in hoisted_subgraph(program):
+        if node.op == "get_attr":
+            env[node] = getattr(program.gm, node.target)
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        env[node] = node.target(*args, **kwargs)
+    return [env[program.nodes[n]] for n in program.hoisted]
 
 
 def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dict[str, AttentionSource],
-                 overrides: dict[str, Frame]) -> tuple[dict[str, NodeRule], list[tuple[fx.Node, fx.Node, Frame]]]:
-    """Step 1: a chunk rule for every needed node, in graph order (+ arguments missing a frame)."""
+                 overrides: dict[str, Frame], grad_free: set[fx.Node],
+                 ) -> tuple[dict[str, NodeRule], list[tuple[fx.Node, fx.Node, Frame]], list[str]]:
+    """Step 1: a chunk rule for every needed node, in graph order (+ arguments missing a frame,
+    + the hoisted nodes).
+
+    A node no gradient flows through (a mask, position ids) whose op has no chunk rule is
+    *hoisted*: computed once for the whole sequence outside the region and sliced per chunk
+    like an input, whatever ops build it."""
     bc = BuildCtx(frames={}, elem_frames={}, tl=tl, attention=sources, overrides=overrides)
     rules: dict[str, NodeRule] = {}
+    hoisted: list[str] = []
     for node in gm.graph.nodes:
         if node.op == "output" or node not in needed:
             continue
@@ -151,7 +209,13 @@ def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dic
         elif node.op == "get_attr":
             rule = NodeRule(overrides.get(node.name, ()), (), None, kind="const")
         elif node.op == "call_function":
-            rule = build_rule(node, bc)
+            try:
+                rule = build_rule(node, bc)
+            except UnsupportedGraphError:
+                if node not in grad_free or not isinstance(node.meta.get("val"), torch.Tensor):
+                    raise
+                rule = _hoisted_rule(node, tl)
+                hoisted.append(node.name)
             info = tl.info.get(node.name)
             if (not rule.frame and rule.kind != "global" and info is not None and info.time_dims
                     and isinstance(node.meta.get("val"), torch.Tensor)):
@@ -163,7 +227,13 @@ def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dic
         bc.frames[node.name] = rule.frame
         if rule.elem_frames is not None:
             bc.elem_frames[node.name] = rule.elem_frames
-    return rules, bc.missing
+    return rules, bc.missing, hoisted
+
+
+def _hoisted_rule(node: fx.Node, tl: Any) -> NodeRule:
+    shp = meta_shape(node)
+    tdims = tl[node].time_dims if node.name in tl.info else ()
+    return NodeRule(tuple(TDim(d, shp[d]) for d in tdims), (), None, kind="input")
 
 
 _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
@@ -430,8 +500,9 @@ def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     tl = ctx.analyses.get("time")
     if tl is None:
         raise UnsupportedGraphError("chunked plans need the time analysis (annotate_time_locality) first")
-    program = build_chunk_program(gm, tl, ctx.regions, ctx.options.chunk_size)
+    program = build_chunk_program(gm, tl, ctx.regions, ctx.options.chunk_size, ctx.example_inputs)
     flat = list(ctx.example_inputs)
+    flat += hoisted_values(program, flat)
     notes = dry_run(program, flat)
     ctx.analyses["chunks"] = program
     k = program.num_chunks
@@ -442,6 +513,9 @@ def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for o in program.outputs:
         what = f"time output (dim {o.dim})" if o.kind == "time" else f"reduction split per chunk ({o.reduction.kind})"
         lines.append(f"region output {o.name}: {what}")
+    if program.hoisted:
+        lines.append(f"hoisted (no gradient, no chunk rule; computed once for the whole sequence, sliced per "
+                     f"chunk): {', '.join(program.hoisted)}")
     for name in program.attention:
         if "flash" in program.rules[name].note:
             lines.append(f"{name}: flash attention against the KV cache (GQA native)")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from gradshard.passes.chunk_plan import outer_nodes
+from gradshard.passes.chunk_plan import hoisted_subgraph, outer_nodes
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.runtime.chunked import ChunkedRegion
 
@@ -43,14 +43,20 @@ def rewrite_chunked(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         new = graph.placeholder(ph.name, type_expr=ph.type)
         new.meta = dict(ph.meta)
         env[ph.name] = new
+    root: dict[str, Any] = {name: region}
+    for node in hoisted_subgraph(program):  # masks and positions: once, for the whole sequence
+        env[node.name] = graph.node_copy(node, lambda a: env[a.name])
+        if node.op == "get_attr":
+            root[node.target] = getattr(gm, node.target)
     call = graph.call_module(name, tuple(env[p] for p in program.flat_names))
     call.meta["gs_region"] = name
     for i, o in enumerate(program.outputs):
         item = graph.call_function(operator.getitem, (call, i))
         item.meta = dict(program.nodes[o.name].meta)
         env[o.name] = item
-    root: dict[str, Any] = {name: region}
     for node in outer_nodes(program):
+        if node.name in env:
+            continue
         env[node.name] = graph.node_copy(node, lambda a: env[a.name])
         if node.op == "get_attr":
             root[node.target] = getattr(gm, node.target)

@@ -97,7 +97,7 @@ class ChunkEvaluator:
         if hit is not self.memo:
             return hit
         prog = self.program
-        if node.op == "placeholder":
+        if node.op == "placeholder" or node.name in prog.hoisted:
             out = self._input(node, demand)
         elif node.op == "get_attr":
             out = getattr(prog.gm, node.target)

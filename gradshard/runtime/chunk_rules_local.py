@@ -349,7 +349,8 @@ def _pad_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: A
     x = vals[0]
     pads = list(node.args[1])
     nd = x.dim()
-    value = _arg(node, 2, "value", 0.0)
+    # constant_pad_nd(x, pad, value) / pad(x, pad, mode, value)
+    value = _arg(node, 3 if node.target is aten.pad.default else 2, "value", 0.0)
     for t, (lo, hi), m in zip(rule.frame, demand, rule.slots[0]):
         k = nd - 1 - t.dim
         if m.kind != "shift" or 2 * k >= len(pads):

@@ -93,6 +93,9 @@ class ChunkProgram:
     stateful: set[str]
     attention: dict[str, AttentionSource] = field(default_factory=dict)
     estimates: list[ChunkEstimate] = field(default_factory=list)
+    #: Nodes computed once for the whole sequence outside the region and passed in after
+    #: the placeholders (``flat_names`` ends with them); chunks slice them like inputs.
+    hoisted: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.bounds = chunk_bounds(self.seq_len, self.chunk_size)

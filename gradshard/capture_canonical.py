@@ -1,0 +1,82 @@
+"""Canonical forms the captured graph is put in before any analysis sees it.
+
+Each rewrite is a small named function ``GraphModule -> int`` (the number of nodes it
+changed), run in order by :func:`canonicalize`. They remove forms that are legal aten but
+that every analysis would otherwise have to special-case.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["canonicalize", "CANONICAL_REWRITES", "drop_empty_cat_pieces", "drop_noop_casts"]
+
+aten = torch.ops.aten
+_CATS = (aten.cat.default, aten.concat.default, aten.concatenate.default)
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def drop_empty_cat_pieces(gm: fx.GraphModule) -> int:
+    """``cat([empty(0), x], d)`` -> ``cat([x], d)``: ``torch.cat`` skips legacy empty 1-d
+    pieces of any rank (a transformers ``DynamicCache`` starts as ``torch.tensor([])``)."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _CATS:
+            continue
+        out = _shape(node)
+        pieces = node.args[0]
+        if out is None or len(out) <= 1 or not isinstance(pieces, (list, tuple)):
+            continue
+        kept = [p for p in pieces if not (isinstance(p, fx.Node) and _shape(p) == (0,))]
+        if len(kept) == len(pieces) or not kept:
+            continue
+        node.args = (kept, *node.args[1:])
+        changed += 1
+    return changed
+
+
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default)
+
+
+def drop_noop_casts(gm: fx.GraphModule) -> int:
+    """``x.to(x.dtype)`` -> ``x``: a cast to the dtype and device a tensor already has.
+
+    Eager returns the same tensor, so code that casts its loop state each step
+    (``h.to(input_dtype)`` in a float64 model) reads the cast as the state next step; the
+    graph then threads the recurrence through a cast that does nothing."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _CASTS or not isinstance(node.args[0], fx.Node):
+            continue
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+            continue
+        if node.kwargs.get("copy") or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            continue
+        if (src.dtype, src.device, tuple(src.shape), src.requires_grad) != (out.dtype, out.device, tuple(out.shape), out.requires_grad):
+            continue
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+        changed += 1
+    return changed
+
+
+#: The rewrites, in order (independent of one another so far).
+CANONICAL_REWRITES: tuple[Callable[[fx.GraphModule], int], ...] = (drop_empty_cat_pieces, drop_noop_casts)
+
+
+def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
+    """Run every canonical rewrite, drop what became dead, and return the changes per rewrite."""
+    counts = {fn.__name__: fn(gm) for fn in CANONICAL_REWRITES}
+    if any(counts.values()):
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return counts
