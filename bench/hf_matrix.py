@@ -96,13 +96,15 @@ def _rel(a: Any, b: Any, floor: float) -> float:
 
 
 def run_cell(family: str, attn: str, plan: str, *, T: int = T_DEFAULT, batch: int = BATCH_DEFAULT,
-             hf_loss: bool = False, mask: str = "none", frontend: str | None = None) -> dict[str, Any]:
+             hf_loss: bool = False, mask: str = "none", frontend: str | None = None,
+             experts: str = "batched_mm") -> dict[str, Any]:
     """Run one cell in this process; never raises (the exception is classified)."""
     import torch
 
     torch.set_num_threads(1)
     cell: dict[str, Any] = {"family": family, "attn": attn, "plan": plan, "T": T, "batch": batch,
-                            "hf_loss": hf_loss, "mask": mask, "frontend": frontend, "phase": "build"}
+                            "hf_loss": hf_loss, "mask": mask, "frontend": frontend, "experts": experts,
+                            "phase": "build"}
     t0 = time.perf_counter()
     try:
         import gradshard as gs
@@ -114,7 +116,7 @@ def run_cell(family: str, attn: str, plan: str, *, T: int = T_DEFAULT, batch: in
             return cell
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, config = zoo.build(family, attn=attn, fp64_loss=not hf_loss)
+            model, config = zoo.build(family, attn=attn, fp64_loss=not hf_loss, experts=experts)
             ref = copy.deepcopy(model)
             data = zoo.inputs(config, batch, T, mask=mask == "ones", pad=3 if mask == "pad3" else 0)
             call = {k: data[k] for k in ("input_ids", "attention_mask", "labels") if k in data}
@@ -243,7 +245,8 @@ class Runner:
         if self.proc is None or not self.proc.is_alive():
             self._start()
         t0 = time.perf_counter()
-        base = {k: task.get(k) for k in ("family", "attn", "plan", "T", "batch", "hf_loss", "mask", "frontend")}
+        base = {k: task.get(k) for k in ("family", "attn", "plan", "T", "batch", "hf_loss", "mask", "frontend",
+                                           "experts")}
         try:
             self.conn.send(task)
             if self.conn.poll(self.timeout_s):
@@ -334,6 +337,20 @@ def _short(cell: dict[str, Any]) -> str:
     return cell.get("status", "?")
 
 
+def _row_label(cell: dict[str, Any]) -> str:
+    """The attn column: the impl, plus the mask/frontend/loss variant when not the default."""
+    label = cell["attn"]
+    if cell.get("mask", "none") != "none":
+        label += f" mask={cell['mask']}"
+    if cell.get("frontend"):
+        label += f" fe={cell['frontend']}"
+    if cell.get("hf_loss"):
+        label += " hf-loss"
+    if cell.get("experts", "batched_mm") != "batched_mm":
+        label += f" experts={cell['experts']}"
+    return label
+
+
 def print_table(cells: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -341,7 +358,7 @@ def print_table(cells: list[dict[str, Any]]) -> None:
     plans = [p for p in PLAN_OPTIONS if any(c["plan"] == p for c in cells)]
     rows: dict[tuple[str, str], dict[str, dict]] = OrderedDict()
     for c in cells:
-        rows.setdefault((c["family"], c["attn"]), {})[c["plan"]] = c
+        rows.setdefault((c["family"], _row_label(c)), {})[c["plan"]] = c
     table = Table(title=f"gradshard x HF zoo (T={cells[0]['T']}, batch {cells[0]['batch']})")
     table.add_column("family")
     table.add_column("attn")
@@ -387,7 +404,7 @@ def write_report(cells: list[dict[str, Any]], path: Path, runs: list[dict[str, A
     lines.append("|---|---|" + "---|" * len(plans))
     rows: dict[tuple[str, str], dict[str, dict]] = OrderedDict()
     for c in cells:
-        rows.setdefault((c["family"], c["attn"]), {})[c["plan"]] = c
+        rows.setdefault((c["family"], _row_label(c)), {})[c["plan"]] = c
     for (fam, attn), by_plan in rows.items():
         lines.append(f"| {fam} | {attn} | " + " | ".join(_short(by_plan[p]) if p in by_plan else "" for p in plans) + " |")
     counts: dict[str, int] = {}
@@ -403,7 +420,7 @@ def write_report(cells: list[dict[str, Any]], path: Path, runs: list[dict[str, A
     for i, (key, group) in enumerate(sorted(groups.items(), key=lambda kv: -len(kv[1])), 1):
         lines.append(f"### {i}. {key} — {len(group)} cells")
         lines.append("")
-        lines.append("Cells: " + ", ".join(f"{c['family']}/{c['attn']}/{c['plan']}" for c in group))
+        lines.append("Cells: " + ", ".join(f"{c['family']}/{_row_label(c)}/{c['plan']}" for c in group))
         lines.append("")
         msgs = OrderedDict((c.get("message") or c.get("status"), None) for c in group)
         lines.append("Messages (first line, distinct):")
@@ -444,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask", default="none", choices=("none", "ones", "pad3"),
                     help="attention_mask passed with the inputs: none (as in the brief), all ones, or "
                          "the last row left-padded by 3 tokens")
+    ap.add_argument("--experts", default="batched_mm", choices=("batched_mm", "eager"),
+                    help="transformers MoE experts implementation (grouped_mm rejects float64 on CPU)")
     ap.add_argument("--frontend", help="gs.compile frontend (python, fx, dynamo; default: gradshard's)")
     ap.add_argument("--check", action="store_true", help="only run every family eagerly and time it")
     ap.add_argument("--cell", help="FAMILY:ATTN:PLAN: run one cell in this process, print its traceback")
@@ -464,9 +483,9 @@ def main(argv: list[str] | None = None) -> int:
             data = json.loads(Path(f).read_text())
             runs.append(data["run"])
             for c in data["cells"]:
-                cells[(c["family"], c["attn"], c["plan"])] = c
+                cells[(c["family"], _row_label(c), c["plan"])] = c
         ordered = sorted(cells.values(), key=lambda c: (zoo.FAMILIES.index(c["family"]), c["attn"] != "sdpa",
-                                                         list(PLAN_OPTIONS).index(c["plan"])))
+                                                         _row_label(c), list(PLAN_OPTIONS).index(c["plan"])))
         write_report(ordered, Path(args.report), runs)
         print_table(ordered)
         print(f"wrote {args.report}")
@@ -486,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cell:
         fam, attn, plan = args.cell.split(":")
         cell = run_cell(fam, attn, plan, T=args.T, batch=args.batch, hf_loss=args.hf_loss, mask=args.mask,
-                        frontend=args.frontend)
+                        frontend=args.frontend, experts=args.experts)
         tb = cell.pop("traceback", None)
         print(json.dumps(cell, indent=1, default=str))
         if tb:
@@ -506,14 +525,14 @@ def main(argv: list[str] | None = None) -> int:
         for attn in impls:
             for plan in plans:
                 tasks.append(dict(family=fam, attn=attn, plan=plan, T=args.T, batch=args.batch, hf_loss=args.hf_loss,
-                                  mask=args.mask, frontend=args.frontend))
+                                  mask=args.mask, frontend=args.frontend, experts=args.experts))
 
     import torch
     import transformers
 
     run = {"started": _now(), "plans": plans, "attn": attns, "T": args.T, "batch": args.batch,
            "torch": torch.__version__, "transformers": transformers.__version__, "hf_loss": args.hf_loss,
-           "mask": args.mask, "frontend": args.frontend}
+           "mask": args.mask, "frontend": args.frontend, "experts": args.experts}
     runner = Runner(args.timeout)
     cells = []
     try:

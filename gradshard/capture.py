@@ -45,6 +45,9 @@ from .substitutions import substitute_known_kernels
 __all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key", "state_key"]
 
 FRONTENDS = ("python", "fx", "dynamo")
+# Trace on fake tensors: no activation is materialised while capturing, and library code
+# that probes values only outside tracing (transformers' padding-mask `.all()`) sees a trace.
+_TRACING_MODE = "fake"
 # Tracing swaps global dispatch state; ranks run as threads in tests and share it.
 _TRACE_LOCK = threading.RLock()
 
@@ -358,6 +361,25 @@ def _find_modules(target: Any, args: tuple, kwargs: dict) -> list[tuple[str, nn.
     return found
 
 
+def _why_trace_failed(exc: BaseException) -> str:
+    """The ``why``/``instead`` lines of a capture failure, by what the exception says."""
+    text = str(exc)
+    if "allow_non_fake_inputs" in text or "Please convert all Tensors to FakeTensors" in text:
+        return ("  why: a tensor that requires grad is used by the model but is not a parameter of any "
+                "module passed in (e.g. a module captured from a closure or a global)\n"
+                "  instead: pass the module as an argument of the compiled function, or register the "
+                "tensor as an nn.Parameter or buffer of the compiled model")
+    if any(s in text for s in ("data-dependent", "tracing tensor", "DataDependent", "GuardOnDataDependent")):
+        return ("  why: a value computed from tensor data decides Python control flow (e.g. "
+                "`if x.sum() > 0`, `.item()`, `.tolist()`)\n"
+                "  instead: make the branch a tensor op (torch.where), move it out of the model, or "
+                "mark the call a leaf with gradshard.capture.register_leaf_module")
+    return (f"  why: the model raised {type(exc).__name__} while it was traced at the example inputs' shapes "
+            "and dtypes (the same call fails, or would fail, eagerly: check the inputs' rank, dtype and "
+            "length)\n  instead: call the model eagerly with these inputs to see the error in its own terms, "
+            "then fix the inputs or the model")
+
+
 def _explain_trace_failure(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
@@ -452,13 +474,8 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
     except CaptureError:
         raise
     except Exception as exc:
-        raise CaptureError(
-            "could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
-            "  why: a value computed from tensor data decides Python control flow (e.g. "
-            "`if x.sum() > 0`, `.item()`, `.tolist()`), or the code calls something untraceable.\n"
-            "  instead: make the branch a tensor op (torch.where), move it out of the model, or "
-            "mark the call a leaf with gradshard.capture.register_leaf_module."
-        ) from exc
+        raise CaptureError("could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
+                           + _why_trace_failed(exc)) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
     canonicalize(gm)
     phs = list(gm.graph.find_nodes(op="placeholder"))
@@ -490,9 +507,11 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     ``t``+``addmm``). A graph that still holds a constant requiring grad is rejected.
     """
     with _TRACE_LOCK, _record_module_stack(modules):  # make_fx is not thread-safe
-        gm = make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*example)
+        gm = make_fx(fn, tracing_mode=_TRACING_MODE, pre_dispatch=True, record_stack_traces=True,
+                     _allow_non_fake_inputs=True)(*example)
         if _trainable_constants(gm):
-            gm = make_fx(fn, pre_dispatch=False, record_stack_traces=True)(*example)
+            gm = make_fx(fn, tracing_mode=_TRACING_MODE, pre_dispatch=False, record_stack_traces=True,
+                         _allow_non_fake_inputs=True)(*example)
             gm.meta["gs_dispatch_level"] = "post"
     _check_no_trainable_constants(gm)
     return gm

@@ -111,10 +111,16 @@ def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], 
     sources, designated = _attention_sources(regions, nodes)
     overrides: dict[str, Frame] = {}
     grad_free = _grad_free(gm, example_inputs)
+    hoist: dict[str, Frame] = {}  # gradient-free values a consumer needs sliced along ``frame``
     for _ in range(8):
-        rules, missing, hoisted = _build_rules(gm, needed, tl, sources, overrides, grad_free)
+        rules, missing, hoisted = _build_rules(gm, needed, tl, sources, overrides, grad_free, hoist)
         if not missing:
             break
+        fresh = {arg.name: frame for _, arg, frame in missing
+                 if arg in grad_free and arg.op == "call_function" and arg.name not in hoist}
+        if fresh:
+            hoist.update(fresh)
+            continue
         if not any([_backfill(arg, frame, overrides) for _, arg, frame in missing]):
             node, arg, _ = missing[0]
             raise missing_frame_error(node, arg)
@@ -187,12 +193,13 @@ def hoisted_values(program: ChunkProgram, flat: Sequence[Any]) -> list[Any]:
 
 
 def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dict[str, AttentionSource],
-                 overrides: dict[str, Frame], grad_free: set[fx.Node],
+                 overrides: dict[str, Frame], grad_free: set[fx.Node], hoist: dict[str, Frame],
                  ) -> tuple[dict[str, NodeRule], list[tuple[fx.Node, fx.Node, Frame]], list[str]]:
     """Step 1: a chunk rule for every needed node, in graph order (+ arguments missing a frame,
     + the hoisted nodes).
 
-    A node no gradient flows through (a mask, position ids) whose op has no chunk rule is
+    A node no gradient flows through (a mask, position ids) whose op has no chunk rule, or
+    whose time dims a consumer needs but the analysis did not find (``hoist``), is
     *hoisted*: computed once for the whole sequence outside the region and sliced per chunk
     like an input, whatever ops build it."""
     bc = BuildCtx(frames={}, elem_frames={}, tl=tl, attention=sources, overrides=overrides)
@@ -208,6 +215,9 @@ def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dic
             rule = NodeRule(frame, (), None, kind="input")
         elif node.op == "get_attr":
             rule = NodeRule(overrides.get(node.name, ()), (), None, kind="const")
+        elif node.op == "call_function" and node.name in hoist:
+            rule = NodeRule(hoist[node.name], (), None, kind="input")
+            hoisted.append(node.name)
         elif node.op == "call_function":
             try:
                 rule = build_rule(node, bc)

@@ -247,14 +247,15 @@ def _layer_count(family: str, layers: int, kwargs: dict[str, Any]) -> dict[str, 
 
 
 def build(family: str, *, attn: str = "sdpa", layers: int = 2, seed: int = 0,
-          fp64_loss: bool = True, experts: str = "eager",
+          fp64_loss: bool = True, experts: str = "batched_mm",
           **overrides: Any) -> tuple[torch.nn.Module, Any]:
     """A tiny random-weight causal LM of ``family`` in float64 and train mode.
 
     ``attn`` is ignored for families without attention (``NO_ATTENTION``). Weights come
     from ``seed`` (the global RNG state is restored afterwards). MoE experts run the
     ``experts`` implementation: transformers' default ``grouped_mm`` rejects float64 on
-    CPU. ``fp64_loss=True`` swaps the model's ``loss_function`` for :func:`causal_lm_loss`
+    CPU; ``batched_mm`` (the default here) computes every expert densely with bmm (no
+    data-dependent control flow); ``eager`` loops over the experts that were hit. ``fp64_loss=True`` swaps the model's ``loss_function`` for :func:`causal_lm_loss`
     (``ForCausalLMLoss`` without its ``logits.float()``, which in a float64 model is a
     downcast to float32); ``False`` keeps transformers' loss.
     """

@@ -1,0 +1,118 @@
+"""Hugging Face `transformers` causal LMs (code we did not write) under every plan.
+
+Tiny random-weight models from config (``tests/hf/zoo.py``), float64, T = 37 (not a
+multiple of the chunk or shard size). The default suite runs the cells listed in
+``EXACT``: each must match eager autograd of the same model. ``test_every_cell_is_exact_or_
+refused`` (marked slow) runs every family x plan and asserts the contract of issue 16:
+a match with eager, or a ``GradshardError`` naming a node and a source line; any other
+exception fails.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gradshard as gs
+from gradshard.errors import GradshardError
+
+from .zoo import ATTN_IMPLS, FAMILIES, build, float32_sites, inputs
+
+T = 37
+OPTIONS = {
+    "none": {},
+    "seco": {"chunk_size": 8},
+    "spaco": {"chunk_size": 8, "budget": 1000},  # keeps every chunk: exact
+    "adjoint": {"shard_size": 8},
+    "truncated_adjoint": {"window": 1000, "shard_size": 8},  # window >= T: exact
+}
+
+#: (family, attention implementation, plan) cells that must be exact in the default suite.
+EXACT = [
+    *[(f, a, p) for f, a in [("llama", "sdpa"), ("qwen2", "eager"), ("mistral", "sdpa"), ("gemma2", "eager"),
+                             ("gpt2", "sdpa"), ("mamba", "sdpa")]
+      for p in ("none", "seco", "spaco")],
+    ("mamba2", "sdpa", "none"),
+    ("mamba", "sdpa", "adjoint"),
+    ("mamba", "sdpa", "truncated_adjoint"),
+]
+
+
+def _weights(out: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype).reshape(out.shape)
+
+
+def _run_cell(family: str, attn: str, plan: str, **call: torch.Tensor) -> float:
+    """Max relative error of logits and parameter gradients, gradshard vs eager."""
+    model, config = build(family, attn=attn, fp64_loss=False)
+    ref = copy.deepcopy(model)
+    batch = {"input_ids": inputs(config, batch=2, T=T)["input_ids"], **call}
+    cm = gs.compile(model, plan=plan, **OPTIONS[plan])
+    got = cm(**batch).logits
+    want = ref(**batch).logits
+    (got * _weights(got)).sum().backward()
+    (want * _weights(want)).sum().backward()
+    errs = [float((got - want).detach().abs().max() / want.detach().abs().max())]
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        if p.grad is None:
+            assert q.grad is None or not q.grad.any(), name
+            continue
+        errs.append(float((q.grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)))
+    return max(errs)
+
+
+def _tolerance(family: str, attn: str) -> float:
+    """1e-10, or 1e-5 where the model computes part of its float64 forward in float32."""
+    model, config = build(family, attn=attn, fp64_loss=False)
+    ids = inputs(config, batch=1, T=9)["input_ids"]
+    _, sites = float32_sites(model, input_ids=ids)
+    return 1e-5 if sites else 1e-10
+
+
+@pytest.mark.parametrize("family, attn, plan", EXACT, ids=["-".join(c) for c in EXACT])
+def test_family_is_exact(family: str, attn: str, plan: str) -> None:
+    assert _run_cell(family, attn, plan) <= _tolerance(family, attn)
+
+
+@pytest.mark.parametrize("plan", ["none", "seco"])
+def test_left_and_right_padded_batch_is_exact(plan: str) -> None:
+    ids = inputs(build("llama")[1], batch=2, T=T)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    mask[1, -4:] = 0  # right padding
+    assert _run_cell("llama", "sdpa", plan, attention_mask=mask) <= 1e-10
+
+
+def test_hf_call_convention_returns_the_models_output_with_loss() -> None:
+    """``cm(input_ids=..., labels=...)``: the model's own output type, loss inside the graph
+    (transformers' loss casts logits to float32: float32 agreement)."""
+    model, config = build("llama", fp64_loss=False)
+    ref = copy.deepcopy(model)
+    ids = inputs(config, batch=2, T=T)["input_ids"]
+    cm = gs.compile(model, plan="seco", chunk_size=8)
+    out = cm(input_ids=ids, labels=ids)
+    want = ref(input_ids=ids, labels=ids)
+    assert type(out) is type(want)
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    want.loss.backward()
+    for p, q in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+
+
+CELLS = [(f, a, p) for f in FAMILIES for a in ATTN_IMPLS[f] for p in OPTIONS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, attn, plan", CELLS, ids=["-".join(c) for c in CELLS])
+def test_every_cell_is_exact_or_refused(family: str, attn: str, plan: str) -> None:
+    try:
+        err = _run_cell(family, attn, plan)
+    except GradshardError as exc:
+        text = str(exc)
+        assert "node `" in text or "plan=" in text, f"refusal names no node: {text}"
+        return
+    assert err <= _tolerance(family, attn)
