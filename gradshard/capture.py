@@ -497,7 +497,8 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
     )
 
 
-def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequence[tuple[str, nn.Module]]) -> fx.GraphModule:
+def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequence[tuple[str, nn.Module]],
+           mode: str = _TRACING_MODE) -> fx.GraphModule:
     """make_fx at the pre-dispatch level (high-level aten ops survive); fall back to the
     post-dispatch level when pre-dispatch tracing loses the data flow.
 
@@ -507,10 +508,10 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     ``t``+``addmm``). A graph that still holds a constant requiring grad is rejected.
     """
     with _TRACE_LOCK, _record_module_stack(modules):  # make_fx is not thread-safe
-        gm = make_fx(fn, tracing_mode=_TRACING_MODE, pre_dispatch=True, record_stack_traces=True,
+        gm = make_fx(fn, tracing_mode=mode, pre_dispatch=True, record_stack_traces=True,
                      _allow_non_fake_inputs=True)(*example)
         if _trainable_constants(gm):
-            gm = make_fx(fn, tracing_mode=_TRACING_MODE, pre_dispatch=False, record_stack_traces=True,
+            gm = make_fx(fn, tracing_mode=mode, pre_dispatch=False, record_stack_traces=True,
                          _allow_non_fake_inputs=True)(*example)
             gm.meta["gs_dispatch_level"] = "post"
     _check_no_trainable_constants(gm)
@@ -529,7 +530,9 @@ def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[torch.Tens
         out = gm(*flat)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    aten = _trace(flat_fn, list(example_inputs), [])
+    # Dynamo's graph is already a trace (and its inputs may carry Dynamo's own fake/symbolic
+    # sizes): lower it on the tensors Dynamo hands over, as they are.
+    aten = _trace(flat_fn, list(example_inputs), [], mode="real")
     for node, src in zip(aten.graph.find_nodes(op="placeholder"), gm.graph.find_nodes(op="placeholder")):
         node.meta["gs_input_name"] = src.name
     return aten
