@@ -651,6 +651,8 @@ def _reduce_dims(node: fx.Node) -> tuple[list[int] | None, bool]:
                    aten.var, aten.std, aten.norm, aten.linalg_vector_norm, aten.logsumexp,
                    aten.any, aten.all, aten.argmax, aten.argmin, aten.var_mean, aten.std_mean)
 def _reduce_rule(node: fx.Node, ctx: _Ctx) -> NodeDims | tuple[NodeDims | None, ...]:
+    if len(node.args) > 1 and isinstance(node.args[1], fx.Node):  # max.other / min.other: elementwise
+        return pointwise_rule(node, ctx)
     src = node.args[0]
     dims = ctx.dims(src)
     rd, keep = _reduce_dims(node)

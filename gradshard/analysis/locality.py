@@ -520,7 +520,9 @@ def _unbind_was_time(unbind: fx.Node, info: dict[str, TimeInfo]) -> bool:
 
 
 def _latest(node: fx.Node, ti: TimeInfo) -> float:
-    """The latest absolute step any element of a time-carrying node reads."""
+    """The latest absolute step any element of a time-carrying node reads (unknown reach: any)."""
+    if ti.reach is None:
+        return INF
     bound = ti.origin + _time_len(node, ti) - 1 + ti.reach.hi
     return min(bound, ti.abs_max) if ti.abs_max is not None else bound
 
