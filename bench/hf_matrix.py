@@ -377,10 +377,16 @@ def print_table(cells: list[dict[str, Any]]) -> None:
 def cause_key(cell: dict[str, Any]) -> str:
     """Cells that failed for the same reason share a key (kind, exception type, location)."""
     kind = cell.get("kind")
+    if kind == "refused" and "no linear recurrence" in (cell.get("message") or ""):
+        from tests.hf import zoo
+
+        if cell["family"] in zoo.RECURRENT:
+            return f"refused: {cell.get('exc_type')}: no linear recurrence found, but the family has one"
+        return f"refused: {cell.get('exc_type')}: no linear recurrence found (expected: the family has none)"
     if kind == "refused":
-        # one raise site serves many causes (e.g. every capture failure): the node's source
-        # line named in the message ("at file:line") tells them apart
-        detail = cell.get("detail")
+        # capture.py raises every capture failure: the model's source line named in the
+        # message ("at file:line") tells those causes apart
+        detail = cell.get("detail") if cell.get("exc_type") == "CaptureError" else None
         return f"refused: {cell.get('exc_type')} raised at {cell.get('where')}" + (f"; {detail}" if detail else "")
     if kind == "crash":
         return f"crash: {cell.get('exc_type')} at {cell.get('where')}"
@@ -389,8 +395,13 @@ def cause_key(cell: dict[str, Any]) -> str:
     return str(kind)
 
 
-def write_report(cells: list[dict[str, Any]], path: Path, runs: list[dict[str, Any]]) -> None:
-    """A markdown report: per-cell status, then causes with counts and one traceback each."""
+def write_report(cells: list[dict[str, Any]], path: Path, runs: list[dict[str, Any]],
+                 rerun: Any = None) -> None:
+    """A markdown report: per-cell status, then causes with counts and one traceback each.
+
+    ``rerun(cell) -> cell``, if given, runs the first cell of each cause again; its traceback
+    (fresh, since the code may have changed since the matrix ran) goes in the report.
+    """
     plans = [p for p in PLAN_OPTIONS if any(c["plan"] == p for c in cells)]
     lines = ["# gradshard x Hugging Face zoo matrix", ""]
     for r in runs:
@@ -425,11 +436,27 @@ def write_report(cells: list[dict[str, Any]], path: Path, runs: list[dict[str, A
         msgs = OrderedDict((c.get("message") or c.get("status"), None) for c in group)
         lines.append("Messages (first line, distinct):")
         lines += [f"- `{m}`" for m in list(msgs)[:8]]
+        details = OrderedDict((c["detail"], None) for c in group if c.get("detail"))
+        if details:
+            lines.append("")
+            lines.append("Model source lines named in the messages (distinct):")
+            lines += [f"- `{d}`" for d in list(details)[:10]]
+        full = next((c.get("message_full") for c in group if c.get("message_full")), None)
+        if full and "\n" in full:
+            lines += ["", "Full message (first cell):", "", "```", full, "```"]
         tb = next((c.get("traceback") for c in group if c.get("traceback")), None)
+        if "expected" in key:
+            tb = None  # the plan does not apply: no traceback needed
         if tb:
             first = next(c for c in group if c.get("traceback"))
-            lines += ["", f"Traceback ({first['family']}/{first['attn']}/{first['plan']}, phase {first.get('phase')}):",
-                      "", "```", tb.rstrip(), "```"]
+            source = f"from the matrix run, finished {first.get('finished_at')}"
+            if rerun is not None:
+                again = rerun(first)
+                same = cause_key(again) == key
+                source = (f"rerun at {_now()}: " + ("same cause" if same else f"NOW {again.get('status')}"))
+                tb = again.get("traceback") or f"(no traceback: {again.get('status')})"
+            lines += ["", f"Traceback ({first['family']}/{_row_label(first)}/{first['plan']}, phase "
+                      f"{first.get('phase')}; {source}):", "", "```", tb.rstrip(), "```"]
         elif group[0].get("kind") == "mismatch":
             lines += [""] + [f"- {c['family']}/{c['attn']}/{c['plan']}: loss err {c.get('loss_err'):.2e}, "
                              f"grad err {c.get('grad_err'):.2e} (worst {c.get('worst_param')}), "
@@ -467,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only run every family eagerly and time it")
     ap.add_argument("--cell", help="FAMILY:ATTN:PLAN: run one cell in this process, print its traceback")
     ap.add_argument("--report", help="write a markdown report of --from-json files here")
+    ap.add_argument("--rerun", action="store_true",
+                    help="with --report: rerun one cell per failure cause for a fresh traceback")
     ap.add_argument("--from-json", help="comma-separated JSON files written by --json (later wins)")
     args = ap.parse_args(argv)
 
@@ -486,7 +515,17 @@ def main(argv: list[str] | None = None) -> int:
                 cells[(c["family"], _row_label(c), c["plan"])] = c
         ordered = sorted(cells.values(), key=lambda c: (zoo.FAMILIES.index(c["family"]), c["attn"] != "sdpa",
                                                          _row_label(c), list(PLAN_OPTIONS).index(c["plan"])))
-        write_report(ordered, Path(args.report), runs)
+        runner = Runner(args.timeout) if args.rerun else None
+        try:
+            rerun = None
+            if runner is not None:
+                keys = ("family", "attn", "plan", "T", "batch", "hf_loss", "mask", "frontend", "experts")
+                rerun = lambda c: runner.run({k: c.get(k, d) for k, d in zip(keys, (  # noqa: E731
+                    None, None, None, T_DEFAULT, BATCH_DEFAULT, False, "none", None, "batched_mm"))})
+            write_report(ordered, Path(args.report), runs, rerun)
+        finally:
+            if runner is not None:
+                runner.close()
         print_table(ordered)
         print(f"wrote {args.report}")
         return 0

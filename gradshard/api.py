@@ -27,6 +27,9 @@ __all__ = ["compile", "CompiledModule", "CompiledGraph", "backend", "plans", "co
 
 log = logging.getLogger("gradshard")
 
+#: Plans whose gradient equals plain autograd when the sequence has at most one step.
+_EXACT_AT_ONE_STEP = ("adjoint", "truncated_adjoint", "seco", "spaco")
+
 #: Specialisations a compiled module keeps (least recently used dropped first).
 DEFAULT_CACHE_SIZE = 8
 
@@ -170,14 +173,36 @@ class CompiledModule(nn.Module):
             example = cap.example_inputs
             if real_values:
                 example = [real_values.get(id(t), t) for t in example]
-            entry = compile_graph(cap.gm, example, self.plan, self.options,
-                                  captured=cap, time_axis=self.time_axis, backend=self.backend)
+            short = self._short_sequence(cap, args, kwargs)
+            if short is not None and self.plan in _EXACT_AT_ONE_STEP:
+                entry = compile_graph(cap.gm, example, "none", {}, captured=cap, backend=self.backend)
+                entry.extras["short_sequence"] = (
+                    f"the time axis has {short} step(s): nothing to shard or chunk, so this call runs "
+                    f"plain autograd, which plan {self.plan!r} equals at this length")
+            else:
+                entry = compile_graph(cap.gm, example, self.plan, self.options,
+                                      captured=cap, time_axis=self.time_axis, backend=self.backend)
         hook = getattr(entry.gm, "gs_attach", None)
         if callable(hook):
             hook(self)
         self._remember(key, entry)
         self._last = entry
         return entry
+
+    def _short_sequence(self, cap: Captured, args: tuple, kwargs: dict) -> int | None:
+        """The time length of these inputs when it is 0 or 1, judged by the time axis an
+        earlier specialisation found (or ``time_axis``); None otherwise or when unknown."""
+        new = cap.flat_inputs(args, kwargs)
+        axes: list[tuple[int, int]] = [self.time_axis] if self.time_axis is not None else []
+        for entry in self._cache.values():
+            if entry.captured is not None:
+                n = entry.captured.num_state
+                axes += [(i - n, d) for i, d in entry.ctx.input_time_dims.items() if i >= n]
+        for i, d in axes:
+            x = new[i] if i < len(new) else None
+            if isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] <= 1:
+                return int(x.shape[d])
+        return None
 
     def register_specializer(self, serve: Specializer) -> None:
         """Consult ``serve(cm, args, kwargs)`` on every cache miss before capturing again; it
@@ -257,6 +282,8 @@ class CompiledModule(nn.Module):
         spec = get_plan(e.plan)
         lines = [f"gradshard plan {e.plan!r} ({spec.gradient}); options: {e.options}"]
         lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
+        if "short_sequence" in e.extras:
+            lines.append(e.extras["short_sequence"])
         if "recaptured_because" in e.extras:
             lines.append(f"captured again because {e.extras['recaptured_because']}")
         if e.captured is not None and e.captured.buffer_updates:

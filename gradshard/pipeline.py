@@ -44,6 +44,8 @@ class PassContext:
     strict: bool = True  # plan "none" runs detection non-strictly (findings only)
     time_axis: tuple[int, int] | None = None  # user hint: (input index, dim)
     backend: str | None = None  # kernel backend override: "torch" | "triton" | None (auto)
+    #: flat placeholder index -> time dim, as first found (kept when analyses are invalidated)
+    input_time_dims: dict[int, int] = field(default_factory=dict)
 
     def invalidate(self, *names: str) -> None:
         for n in names or list(self.analyses):

@@ -24,6 +24,8 @@ def annotate_time_locality(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.analyses["time"] = None
         return PassResult(gm, notes=(f"no time axis: {str(exc).splitlines()[0]}",))
     ctx.analyses["time"] = tl
+    index = {n.name: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    ctx.input_time_dims = {index[n]: d for n, d in tl.time_inputs.items() if n in index}
     names = {n.name: n.meta.get("gs_input_name", n.name) for n in gm.graph.find_nodes(op="placeholder")}
     axis = ", ".join(f"{names.get(n, n)}[dim {d}]" for n, d in tl.time_inputs.items())
     return PassResult(gm, notes=(f"time axis: {axis} (T={tl.seq_len})",

@@ -2,7 +2,7 @@
 
 Detectors are plain functions ``(gm, ctx) -> list[Region]`` registered with
 :func:`register_detector` by the modules that know one kind of region (recurrences,
-attention, linear attention, sliceable matmuls). Nodes that read unboundedly far along
+attention, linear attention). Nodes that read unboundedly far along
 time but that no detector claimed become ``time_mixer`` regions, so nothing that grows
 with sequence length goes unreported.
 """
@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from gradshard.errors import GradshardError
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
@@ -35,12 +36,8 @@ def register_detector(name: str) -> Callable[[Detector], Detector]:
 def _load_detectors() -> None:
     import importlib
 
-    for mod in ("detect_recurrence", "detect_attention", "detect_linear_attention", "detect_matmuls"):
-        try:
-            importlib.import_module(f"gradshard.passes.{mod}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"gradshard.passes.{mod}":
-                raise
+    for mod in ("detect_recurrence", "detect_attention", "detect_linear_attention"):
+        importlib.import_module(f"gradshard.passes.{mod}")
 
 
 @graph_pass
@@ -53,10 +50,18 @@ def detect_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for name, detector in DETECTORS.items():
         try:
             found.extend(detector(gm, ctx))
-        except Exception as exc:
+        except GradshardError as exc:
+            # A refusal: it matters to the plans that rewrite regions; the others (`none`,
+            # `partial_update`) run without them and say why in their notes.
             if ctx.strict:
                 raise
-            notes.append(f"detector {name} failed: {str(exc).splitlines()[0]}")
+            notes.append(f"detector {name} refused: {str(exc).splitlines()[0]}")
+        except Exception as exc:
+            raise GradshardError(
+                f"internal error in region detector {name!r}: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
+                "  instead: please report this graph (`gradshard show` prints it); no plan can run "
+                "until the detector is fixed") from exc
     if tl is not None:
         claimed = {n for r in found for n in r.nodes}
         nodes = {n.name: n for n in gm.graph.nodes}

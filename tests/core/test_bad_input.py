@@ -1,0 +1,69 @@
+"""Bad or unusual input: the same result as eager, or a clear error (README: Troubleshooting)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gradshard as gs
+from examples.factories import llama, ssm
+from gradshard.errors import CaptureError, GradshardError
+
+
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.sigmoid(self.a(x)) * self.b(x)).cumsum(1)
+
+
+@pytest.mark.parametrize("factory, plan, options", [
+    (ssm, "adjoint", {"shard_size": 8}),
+    (llama, "seco", {"chunk_size": 8}),
+    (llama, "spaco", {"chunk_size": 8, "budget": 2}),
+])
+@pytest.mark.parametrize("T", [1, 0])
+def test_one_or_zero_steps_after_capture_match_eager(factory, plan: str, options: dict, T: int) -> None:
+    model, (ids,) = factory(seq_len=32)
+    cm = gs.compile(model, plan=plan, **options)
+    cm(ids)
+    got, want = cm(ids[:, :T]), model(ids[:, :T])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert "plain autograd" in cm.explain()
+
+
+@pytest.mark.parametrize("plan, options", [("adjoint", {"shard_size": 4}), ("seco", {"chunk_size": 4}), ("none", {})])
+def test_nan_in_the_first_input_gives_eagers_result(plan: str, options: dict) -> None:
+    model = Mixer().double()
+    x = torch.randn(2, 9, 4, dtype=torch.float64)
+    x[0, 3, 1] = float("nan")
+    got, want = gs.compile(model, plan=plan, **options)(x), model(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-10)
+
+
+def test_wrong_rank_is_a_capture_error_that_says_what_failed() -> None:
+    with pytest.raises(CaptureError, match=r"(?s)raised \w+ while it was traced.*call the model eagerly"):
+        gs.compile(Mixer().double(), plan="none")(torch.randn(4, dtype=torch.float64))
+
+
+def test_a_detector_bug_is_a_gradshard_error_naming_the_detector(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradshard.passes import detect_regions as dr
+
+    dr._load_detectors()
+
+    def broken(gm, ctx):
+        raise KeyError("boom")
+
+    monkeypatch.setitem(dr.DETECTORS, "attention", broken)
+    with pytest.raises(GradshardError, match="internal error in region detector 'attention': KeyError"):
+        gs.compile(Mixer().double(), plan="none")(torch.randn(2, 5, 4, dtype=torch.float64))
+
+
+def test_chunk_size_true_is_refused_at_compile() -> None:
+    with pytest.raises(GradshardError, match="chunk_size must be a positive int"):
+        gs.compile(Mixer(), plan="seco", chunk_size=True)
