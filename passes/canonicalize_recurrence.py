@@ -37,6 +37,7 @@ from gradshard.pipeline import PassContext, PassResult, graph_pass
 
 from . import recurrence_ops
 from .detect_recurrence import ScanSite, find_scan_sites
+from .recurrence_ssd import rewrite_ssd_regions
 from .recurrence_fold import FoldedInitialState, emit_initial_state, match_folded_initial_state
 from .recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
 from .recurrence_logspace import rewrite_heinsen_scans
@@ -163,15 +164,18 @@ def canonicalize_recurrences(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     merged = unmerge_matmuls(new)
     # Before the other forms: a log-space scan's cumsum(log a) would otherwise be taken for a
     # scan of its own (a = 1); once rewritten, that cumsum is dead and its site is skipped.
-    heinsen = rewrite_heinsen_scans(new, {name: info.time_dims for name, info in tl.info.items()})
+    time_dims = {name: info.time_dims for name, info in tl.info.items()}
+    # First: an SSD block region holds cumsums of its own that would be taken for scans.
+    ssd = rewrite_ssd_regions(new, time_dims)
+    heinsen = rewrite_heinsen_scans(new, time_dims)
     nodes = {n.name: n for n in new.graph.nodes}
     sites = [s for s in found if s.h in nodes and (
         len(s.covered) > 1 or s.written_as == "cumsum" or _fold_of(nodes, s) is not None)]
-    if not sites and not merged and not heinsen:
+    if not sites and not merged and not heinsen and not ssd:
         return PassResult(gm, notes=("scans already canonical",))
     live = live_nodes(new)
     notes = [f"restored {merged} matmul(s) decomposed over merged batch*time rows"] if merged else []
-    notes += heinsen
+    notes += ssd + heinsen
     for site in sites:
         if site.h not in {n.name for n in live}:
             continue

@@ -1,18 +1,27 @@
 """rewrite_partial_update: run each detected projection through a sliced runtime layer.
 
-Every ``partial_slice`` region (one ``aten.linear`` whose weight is a parameter, found by
-:mod:`gradshard.passes.detect_partial`) becomes one ``call_module`` node::
+Every ``partial_slice`` region (one ``aten.linear`` or ``aten.addmm`` whose weight is a
+parameter, found by :mod:`gradshard.passes.detect_partial`) becomes one ``call_module``
+node; the bias, if any, stays a graph input passed to it::
 
-    before:  linear_4 = aten.linear(mul_8, arg7_1)               # arg7_1: mlp.gate_proj.weight
-    after:   partial_layers_0_mlp_gate_proj = self.partial_layers_0_mlp_gate_proj(mul_8)
+    before:  linear_4 = aten.linear(mul_8, arg7_1, arg8_1)       # arg7_1: mlp.up_proj.weight
+    after:   partial_mlp_up_proj = self.partial_mlp_up_proj(mul_8, arg8_1)
+    before:  addmm_2 = aten.addmm(arg9_1, view_8, arg10_1)       # GPT-2 Conv1D: W is (in, out)
+    after:   partial_mlp_c_fc = self.partial_mlp_c_fc(view_8, arg9_1)
 
 The module (:class:`PartialLinearRegion`) wraps a
-:class:`~gradshard.runtime.partial.SlicedLinear` whose slices are *views* of the user's
-parameter (``share_storage=True``): the trainable slice is a new leaf ``nn.Parameter``, the
-frozen slices are buffers, no memory is duplicated, and the user's full weight always
-holds the current values. The weight placeholder stays in the signature but is no longer
-read, so the full weight gets no gradient (optimizers skip it); the slice gets the exact
-gradient of its entries, and the input gradient still flows through every slice.
+:class:`~gradshard.runtime.partial.SlicedLinear` whose weight pieces are *views* of the
+user's parameter (``share_storage=True``): the trainable runs are new leaf
+``nn.Parameter``s, the frozen runs are buffers, no memory is duplicated, and the user's
+full weight always holds the current values. The weight placeholder stays in the
+signature but is no longer read, so the full weight gets no gradient (optimizers skip
+it); the slices get the exact gradient of their entries, and the input gradient still
+flows through every slice.
+
+Biases are not sliced. DESIGN.md splits *weights* into a trainable slice and frozen
+slices and says nothing of biases, so a sliced layer's bias stays the user's own
+``nn.Parameter``, read from the graph like any other parameter, trained whole on every
+rank (like norms and embeddings) and receiving its full gradient.
 
 After compile, ``gs_attach`` registers the sliced layers on the ``CompiledModule`` as
 ``cm.partial`` (one shared layer per weight, reused by later captures) and gives it the
@@ -47,15 +56,14 @@ class PartialLinearRegion(nn.Module):
         self.layer = layer
         self.site, self.role, self.tokens, self.itemsize = site, role, tokens, itemsize
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.layer(x, bias)
 
     def stages(self) -> list[Stage]:
         """Forward: the full GEMM. Backward: input grad through all slices + one slice's weight grad."""
         lay, m = self.layer.layout, self.tokens
         out_f, in_f = self.layer.out_features, self.layer.in_features
-        lo, hi = lay.trainable_span
-        trained = (hi - lo) * (in_f if lay.dim == 0 else out_f)
+        trained = lay.trainable_size * (in_f if lay.dim == 0 else out_f)
         fwd = Stage(name=f"{self.site}:forward", kind="forward", phase="forward", region=self.site,
                     memory_bytes=m * in_f * self.itemsize, flops=2 * m * in_f * out_f,
                     kernel="torch:partial_linear", note=f"{self.role}, {self.layer.weight_name}")
@@ -88,10 +96,10 @@ def rewrite_partial_update(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not regions:
         raise GradshardError(
             f"plan 'partial_update' found no projection to slice for targets "
-            f"{tuple(ctx.options.targets)}: it slices MLP in/out projections (linears joined by "
-            f"elementwise ops) and attention q/k/v projections (linears viewed as heads feeding "
-            f"attention) whose weights are parameters used only by those linears. Use plan='none' "
-            f"for full training, or check that the model calls F.linear / nn.Linear"
+            f"{tuple(ctx.options.targets)}: it slices MLP in/out projections (projections joined "
+            f"by feature-wise ops) and attention q/k/v projections (outputs viewed as heads "
+            f"feeding attention) whose weights are parameters used only by those projections. "
+            f"Use plan='none' for full training, or check that the model calls F.linear / nn.Linear"
         )
     new_graph = fx.Graph()
     out = new_graph.graph_copy(gm.graph, {})
@@ -103,18 +111,23 @@ def rewrite_partial_update(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     layers: dict[str, SlicedLinear] = {}
     notes: list[str] = []
     sites: list[str] = []
+    region_nodes = {r.nodes[0] for r in regions}
     for r in regions:
         node = by_name[r.nodes[0]]
-        w_node = node.args[1]
-        b_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         opts = r.options
-        layout = SliceLayout(opts["dim"], tuple(opts["bounds"]), opts["index"])
-        users = [u for u in w_node.users if u is not node]
-        if any(u.target is not node.target or by_name.get(u.name) is None for u in users):
+        if opts["transposed"]:  # addmm(bias, x, W), W stored (in, out)
+            b_node, x_node, w_node = node.args[:3]
+        else:
+            x_node, w_node = node.args[:2]
+            b_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        layout = SliceLayout(opts["dim"], tuple(opts["bounds"]), opts["index"], tuple(opts["owners"]))
+        others = [u for u in w_node.users if u is not node and u.name not in region_nodes]
+        if others:
             raise node_error(
-                node,
-                f"the weight {opts['weight']} is also used outside a linear (e.g. tied to an "
-                f"embedding); slicing it would split its gradient between two tensors",
+                others[0],
+                f"the weight {opts['weight']} is also used here, outside the projections this plan "
+                f"slices (e.g. tied to an embedding); slicing it would split its gradient between "
+                f"two tensors",
                 "untie the weights, or use targets that exclude this layer",
             )
         key = _module_key(opts["weight"])
@@ -123,17 +136,18 @@ def rewrite_partial_update(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             layer = SlicedLinear(
                 values[w_node.name], values[b_node.name] if b_node is not None else None, layout,
                 weight_name=opts["weight"], bias_name=opts["bias"] or f"{opts['weight']}.bias",
-                share_storage=True,
+                share_storage=True, transposed=opts["transposed"], whole_bias=True,
             )
             layers[key] = layer
-            lo, hi = layout.trainable_span
             what = "rows" if layout.dim == 0 else "columns"
-            notes.append(f"{opts['weight']} ({opts['role']}): {what} [{lo}:{hi}) of {layout.size} "
-                         f"trainable (slice {layout.index} of {layout.num_slices})")
-        elif layer.layout != layout:
+            spans = " + ".join(f"[{lo}:{hi})" for lo, hi in layout.trainable_spans)
+            notes.append(f"{opts['weight']} ({opts['role']}): {what} {spans} of {layout.size} "
+                         f"trainable (slice {layout.index} of {layout.num_slices})"
+                         + (f"; bias {opts['bias']} trained whole" if opts["bias"] else ""))
+        elif layer.layout != layout or layer.transposed != opts["transposed"]:
             raise node_error(node, f"the weight {opts['weight']} is used by linears with different "
                                    f"roles ({opts['role']} here)", "use targets that exclude it")
-        x_val = node.args[0].meta.get("val")
+        x_val = x_node.meta.get("val")
         tokens = x_val.numel() // max(1, x_val.shape[-1]) if isinstance(x_val, torch.Tensor) else 0
         site = f"partial_{key}" if f"partial_{key}" not in sites else f"partial_{key}_{len(sites)}"
         sites.append(site)
@@ -141,7 +155,7 @@ def rewrite_partial_update(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                          itemsize=x_val.element_size() if isinstance(x_val, torch.Tensor) else 0)
         new_gm.add_submodule(site, region_mod)
         with new_graph.inserting_before(node):
-            call = new_graph.call_module(site, (node.args[0],))
+            call = new_graph.call_module(site, (x_node,) if b_node is None else (x_node, b_node))
         call.meta = copy.copy(node.meta)
         node.replace_all_uses_with(call)
         new_graph.erase_node(node)
@@ -197,6 +211,7 @@ class _CompiledPartial:
         return entry.captured
 
     def _sliced(self) -> dict[str, tuple[SlicedLinear, str]]:
+        """``{original_name: (layer, "weight" | "bias")}`` for the sliced layers' tensors."""
         out: dict[str, tuple[SlicedLinear, str]] = {}
         for layer in self._layers().values():
             out[layer.weight_name] = (layer, "weight")
@@ -205,10 +220,20 @@ class _CompiledPartial:
         return out
 
     def parameter_slices(self) -> dict[str, tuple[str, tuple[int, int, int]]]:
-        """``{slice_name in cm.named_parameters(): (original_name, (dim, start, stop))}``."""
+        """``{slice_name in cm.named_parameters(): (original_name, (dim, start, stop))}``.
+
+        Every trainable tensor of a sliced layer: its weight slices and its bias, which is
+        trained whole (``(0, 0, out_features)``) and listed under the name
+        ``cm.named_parameters()`` gives the user's Parameter (``model.<bias name>``).
+        """
+        names = {id(p): n for n, p in self.cm.named_parameters()}
         out: dict[str, tuple[str, tuple[int, int, int]]] = {}
         for key, layer in self._layers().items():
-            out.update(layer.slices(f"partial.layers.{key}."))
+            entries = dict(layer.slices(f"partial.layers.{key}."))
+            if layer.bias_mode == "whole":
+                entries[f"partial.layers.{key}.bias"] = (layer.bias_name, (0, 0, layer.out_features))
+            for name, value in entries.items():
+                out[names.get(id(self.cm.get_parameter(name)), name)] = value
         return out
 
     @torch.no_grad()
@@ -225,7 +250,7 @@ class _CompiledPartial:
                 if what == "weight":
                     out[name] = layer.full_weight()
                 else:
-                    out[name] = layer.bias if layer.layout.dim == 1 else layer.full_bias()
+                    out[name] = layer.bias if layer.bias_mode == "whole" else layer.full_bias()
             else:
                 out[name] = p
         if want is not None and want - set(out):

@@ -23,7 +23,6 @@ import hashlib
 import os
 import pickle
 import threading
-import zipfile
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -44,20 +43,20 @@ __all__ = [
 
 CHECKPOINT_FORMAT = "gradshard.checkpoint/1"
 
-# What torch.load raises on files that are not (whole) torch checkpoints: truncated or
-# damaged zip archives (RuntimeError "PytorchStreamReader failed ..."), damaged or foreign
-# pickles (UnpicklingError, EOFError and the errors of a half-read opcode stream).
+# What torch.load raises on damaged or foreign files (found by fuzzing truncations and byte
+# flips of real checkpoints): the zip reader's RuntimeError ("PytorchStreamReader failed
+# ...") and OSError (EINVAL: a seek to a garbage offset), and the errors of a damaged or
+# foreign pickle stream (UnpicklingError, EOFError, UnicodeDecodeError, KeyError, ...).
 _UNREADABLE = (
     EOFError,
     pickle.UnpicklingError,
     RuntimeError,
+    OSError,
     ValueError,
     KeyError,
     IndexError,
     TypeError,
     AttributeError,
-    OverflowError,
-    zipfile.BadZipFile,
 )
 
 Checksums = tuple[tuple[str, str], ...]
@@ -188,7 +187,8 @@ def read_checkpoint(path: str | os.PathLike) -> VerifiedCheckpoint:
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
             raise CheckpointError(
                 f"checkpoint {path} is empty (0 bytes): it was never written completely "
                 f"(a crash or full disk during a save that did not use gradshard's atomic "
@@ -199,7 +199,7 @@ def read_checkpoint(path: str | os.PathLike) -> VerifiedCheckpoint:
         except _UNREADABLE as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise CheckpointError(
-                f"checkpoint {path} cannot be read ({os.path.getsize(path)} bytes): it is "
+                f"checkpoint {path} cannot be read ({size} bytes): it is "
                 f"truncated, damaged or not a torch checkpoint (torch.load: "
                 f"{type(exc).__name__}: {first}). Resume from an earlier checkpoint."
             ) from exc
@@ -214,7 +214,10 @@ def read_checkpoint(path: str | os.PathLike) -> VerifiedCheckpoint:
     payload = envelope.get("payload")
     stored = envelope.get("checksums")
     structure, tensors = _digests(payload)
-    if structure != envelope.get("structure_sha256") or not isinstance(stored, list) or len(stored) != len(tensors):
+    well_formed = isinstance(stored, list) and all(
+        isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in stored
+    )
+    if structure != envelope.get("structure_sha256") or not well_formed or len(stored) != len(tensors):
         raise _damaged(path, "its non-tensor data (keys, step counters, config) does not match its checksum")
     bad = [p for (p, t), (q, d) in zip(tensors, stored) if p != q or tensor_digest(t) != d]
     if bad:

@@ -52,11 +52,13 @@ import torch.nn as nn
 
 from ..errors import GradshardError
 from ..runtime import partial
+from .checkpoint import CheckpointError, Checksums, read_checkpoint, write_checkpoint
 from .comm import CommError, Communicator
 
 Tensor = torch.Tensor
 
 __all__ = [
+    "CheckpointError",
     "DiLoCoError",
     "SlicedParameters",
     "PartialDiLoCo",
@@ -486,8 +488,14 @@ class PartialDiLoCo:
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any], *, restore_rng: bool = True) -> None:
         """Restore :meth:`state_dict`; refuses a checkpoint of another rank or configuration."""
-        if state.get("format") != _FORMAT:
-            raise DiLoCoError(f"not a {_FORMAT} checkpoint (format={state.get('format')!r})")
+        self._check_state(state)
+        self._apply_state(state, restore_rng)
+
+    def _check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise :class:`DiLoCoError` unless ``state`` is this rank's, with this configuration."""
+        found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        if found != _FORMAT:
+            raise DiLoCoError(f"not a {_FORMAT} checkpoint (format={found!r})")
         for key, mine in (("rank", self.rank), ("world_size", self.world_size)):
             if state[key] != mine:
                 raise DiLoCoError(
@@ -506,6 +514,8 @@ class PartialDiLoCo:
                     f"checkpoint count vector differs for `{n}`: it was written with a different "
                     f"slicing (num_slices / slice assignment) or world"
                 )
+
+    def _apply_state(self, state: Mapping[str, Any], restore_rng: bool) -> None:
         self.module.load_state_dict(state["module"])
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         for n in self._global:
@@ -522,17 +532,112 @@ class PartialDiLoCo:
         return str(path).replace("{rank}", str(self.rank))
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write :meth:`state_dict` atomically; ``{rank}`` in ``path`` becomes this rank. Returns the path."""
+        """Write :meth:`state_dict` with checksums, durably and atomically; returns the path.
+
+        ``{rank}`` in ``path`` becomes this rank. Collective when the group has several
+        ranks: each rank writes and fsyncs a temp file, then all ranks check that they saved
+        the same step and the same replicated outer state (global parameters and outer
+        momentum); only then does each rename its file over ``path``. On disagreement every
+        rank raises :class:`CheckpointError` and the previous checkpoints stay in place.
+        """
         target = self._path(path)
-        tmp = f"{target}.tmp-{os.getpid()}-{self.rank}"
-        torch.save(self.state_dict(), tmp)
-        os.replace(tmp, target)
+        try:
+            pending = write_checkpoint(self.state_dict(), target)
+        except Exception:
+            self._report_failure("save", target)
+            raise
+        try:
+            self._agree("save", target, self.inner_steps, _replicated_digest(pending.checksums))
+        except BaseException:
+            pending.discard()
+            raise
+        pending.commit()
         return target
 
+    @torch.no_grad()
     def load(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint written by :meth:`save` (``{rank}`` in ``path`` becomes this rank)."""
-        state = torch.load(self._path(path), map_location="cpu", weights_only=True)
-        self.load_state_dict(state)
+        """Load and verify a checkpoint written by :meth:`save` (``{rank}`` becomes this rank).
+
+        Raises :class:`CheckpointError` for a damaged, truncated or foreign file, and (when
+        the group has several ranks, collectively) when the ranks' files hold different
+        steps or replicated outer states; nothing is loaded then.
+        """
+        target = self._path(path)
+        try:
+            ckpt = read_checkpoint(target)
+            self._check_state(ckpt.payload)
+        except Exception:
+            self._report_failure("load", target)
+            raise
+        state = ckpt.payload
+        self._agree("load", target, int(state["inner_steps"]), _replicated_digest(ckpt.checksums))
+        self._apply_state(state, restore_rng=True)
+
+    # ------------------------------------------------------------------ rank agreement
+
+    def _report_failure(self, action: str, path: str) -> None:
+        """Take part in :meth:`_agree` as a failed rank, so the others fail fast, not by timeout.
+
+        Its own CheckpointError ("rank r could not ...") is dropped: the caller re-raises the
+        original error, which says what went wrong here.
+        """
+        try:
+            self._agree(action, path, -1, 0)
+        except CheckpointError:
+            pass
+
+    def _agree(self, action: str, path: str, step: int, digest: int) -> None:
+        """All ranks exchange (step, replicated-state digest) with a timeout; raise unless equal.
+
+        ``step = -1`` marks a rank whose own save or load failed.
+        """
+        if self._comm.comm is None or self.world_size == 1:
+            return
+        device = next(iter(self._masks.values())).device if self._masks else torch.device("cpu")
+        table = torch.zeros(2, self.world_size, dtype=torch.int64, device=device)
+        table[0, self.rank], table[1, self.rank] = step, digest
+        try:
+            self._comm.comm.all_reduce(table, label="diloco.checkpoint", op=dist.ReduceOp.SUM)
+        except CommError as exc:
+            raise CheckpointError(
+                f"{exc}\nDiLoCo.{action}({path}): every rank must call {action}() at the same "
+                f"point; a rank that did not (or crashed) leaves the others waiting. This rank's "
+                f"checkpoint was not {'replaced' if action == 'save' else 'loaded'}."
+            ) from exc
+        steps, digests = table.tolist()
+        done = "the previous checkpoint files were kept" if action == "save" else "nothing was loaded"
+        failed = [r for r, s in enumerate(steps) if s == -1]
+        if failed:
+            raise CheckpointError(
+                f"rank {self.rank}: rank(s) {failed} could not {action} their checkpoint (see "
+                f"their errors); {done} (this rank: {path})"
+            )
+        if len(set(steps)) > 1:
+            seen = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+            raise CheckpointError(
+                f"rank {self.rank}: the ranks' checkpoints are from different inner steps ({seen}); "
+                f"{done} (this rank: {path}). Every rank must call {action}() after the same "
+                f"step()" + ("" if action == "save" else
+                             ", and load the checkpoint files of one save (a crash between the "
+                             "ranks' renames leaves a mixed set: use an earlier checkpoint)")
+            )
+        if len(set(digests)) > 1:
+            differ = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise CheckpointError(
+                f"rank {self.rank}: at step {steps[0]} the replicated outer state (global "
+                f"parameters and outer momentum) of rank(s) {differ} differs from rank 0's; "
+                f"{done} (this rank: {path}). The replicas have diverged or the files come from "
+                f"different runs: resume every rank from one earlier, consistent checkpoint set."
+            )
+
+
+def _replicated_digest(checksums: Checksums) -> int:
+    """64-bit digest of the state every rank holds identically (from the tensor checksums)."""
+    h = hashlib.blake2b(digest_size=8)
+    for key, digest in checksums:
+        if key.split("/", 1)[0] in ("global", "momentum"):
+            h.update(f"{key}={digest};".encode())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 DiLoCo = PartialDiLoCo

@@ -38,6 +38,7 @@ Tensor = torch.Tensor
 __all__ = [
     "PartialUpdateError",
     "SliceLayout",
+    "layout_from_owners",
     "even_bounds",
     "mlp_in_layout",
     "mlp_out_layout",
@@ -63,13 +64,23 @@ class SliceLayout:
     """How one weight ``(out, in)`` is split: along ``dim`` at ``bounds``; slice ``index`` trains.
 
     ``dim`` is 0 (rows = output features) or 1 (columns = input features); ``bounds`` are
-    ``N + 1`` increasing integers from 0 to the size of ``dim``; slice ``n`` covers
-    ``[bounds[n], bounds[n + 1])``.
+    ``R + 1`` increasing integers from 0 to the size of ``dim`` cutting it into ``R``
+    contiguous *runs*, run ``n`` covering ``[bounds[n], bounds[n + 1])``. ``owners[n]`` is
+    the slice that run ``n`` belongs to; empty ``owners`` (the common case) means run ``n``
+    is slice ``n``. A slice made of several runs is how a *fused* projection is split: the
+    rows of a fused ``qkv`` weight that slice ``k`` owns are one run inside each of the
+    q, k and v blocks::
+
+        qkv rows:  [ q: h0 h1 | h2 h3 ][ k: h0 | h1 ][ v: h0 | h1 ]
+        owners:       0         1         0    1        0    1       (2 slices)
+
+    Slice ``index`` trains: its runs become parameters, every other run a frozen buffer.
     """
 
     dim: int
     bounds: tuple[int, ...]
     index: int
+    owners: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dim not in (0, 1):
@@ -79,30 +90,88 @@ class SliceLayout:
             raise PartialUpdateError(
                 f"SliceLayout.bounds must start at 0 and strictly increase (no empty slice), got {b}"
             )
-        if not 0 <= self.index < len(b) - 1:
+        if self.owners:
+            o = self.owners
+            if len(o) != len(b) - 1:
+                raise PartialUpdateError(
+                    f"SliceLayout.owners has {len(o)} entries for {len(b) - 1} runs; give one per run"
+                )
+            if min(o) < 0 or set(o) != set(range(max(o) + 1)):
+                raise PartialUpdateError(
+                    f"SliceLayout.owners must name every slice 0..N-1 at least once, got {o}"
+                )
+        if not 0 <= self.index < self.num_slices:
             raise PartialUpdateError(
-                f"SliceLayout.index={self.index} is out of range for {len(b) - 1} slices"
+                f"SliceLayout.index={self.index} is out of range for {self.num_slices} slices"
             )
 
     @property
-    def num_slices(self) -> int:
+    def num_runs(self) -> int:
+        """Contiguous runs along ``dim`` (one per weight piece)."""
         return len(self.bounds) - 1
+
+    @property
+    def num_slices(self) -> int:
+        return max(self.owners) + 1 if self.owners else self.num_runs
 
     @property
     def size(self) -> int:
         """Length of the split dimension."""
         return self.bounds[-1]
 
+    def owner(self, run: int) -> int:
+        """The slice that run ``run`` belongs to."""
+        return self.owners[run] if self.owners else run
+
     def span(self, n: int) -> tuple[int, int]:
-        """``(start, stop)`` of slice ``n`` along ``dim``."""
+        """``(start, stop)`` of run ``n`` along ``dim``."""
         return self.bounds[n], self.bounds[n + 1]
 
     @property
+    def trainable_runs(self) -> tuple[int, ...]:
+        return tuple(n for n in range(self.num_runs) if self.owner(n) == self.index)
+
+    @property
+    def trainable_spans(self) -> tuple[tuple[int, int], ...]:
+        return tuple(self.span(n) for n in self.trainable_runs)
+
+    @property
+    def trainable_size(self) -> int:
+        """Entries of ``dim`` that train (the sum of the trainable runs' lengths)."""
+        return sum(hi - lo for lo, hi in self.trainable_spans)
+
+    @property
     def trainable_span(self) -> tuple[int, int]:
-        return self.span(self.index)
+        """The trainable run, for a layout whose trainable slice is one run."""
+        spans = self.trainable_spans
+        if len(spans) != 1:
+            raise PartialUpdateError(
+                f"slice {self.index} is {len(spans)} runs {spans}; use trainable_spans"
+            )
+        return spans[0]
 
     def with_index(self, index: int) -> "SliceLayout":
-        return SliceLayout(self.dim, self.bounds, index)
+        return SliceLayout(self.dim, self.bounds, index, self.owners)
+
+
+def layout_from_owners(dim: int, owner: Sequence[int], index: int) -> SliceLayout:
+    """The layout giving entry ``i`` of ``dim`` to slice ``owner[i]`` (runs of equal owners).
+
+    Returns the plain form (``owners=()``) when the runs are the slices in order, so a
+    projection that is not fused gets exactly the layout of :func:`mlp_in_layout` /
+    :func:`attention_layouts`.
+    """
+    owner = [int(o) for o in owner]
+    if not owner:
+        raise PartialUpdateError("layout_from_owners: no entries")
+    bounds, owners = [0], [owner[0]]
+    for i in range(1, len(owner)):
+        if owner[i] != owner[i - 1]:
+            bounds.append(i)
+            owners.append(owner[i])
+    bounds.append(len(owner))
+    plain = owners == list(range(len(owners)))
+    return SliceLayout(dim, tuple(bounds), index, () if plain else tuple(owners))
 
 
 def even_bounds(size: int, num_slices: int, unit: int = 1) -> tuple[int, ...]:
@@ -186,19 +255,23 @@ def default_slice_index(num_slices: int, group: object | None = None) -> int:
 
 
 class _PartialLinearFn(torch.autograd.Function):
-    """Split-matmul linear; weight gradient for ``layout.index`` only (see module doc)."""
+    """Split-matmul linear; weight gradients for the runs of ``layout.index`` only (see module doc).
+
+    ``bias_mode``: ``"none"``; ``"split"`` (dim 0: one bias piece per run after the
+    weights); ``"whole"`` (one full bias after the weights, any dim).
+    """
 
     @staticmethod
-    def forward(ctx, x: Tensor, layout: SliceLayout, has_bias: bool, *tensors: Tensor) -> Tensor:
-        n = layout.num_slices
-        weights, rest = tensors[:n], tensors[n:]
+    def forward(ctx, x: Tensor, layout: SliceLayout, bias_mode: str, *tensors: Tensor) -> Tensor:
+        r = layout.num_runs
+        weights, rest = tensors[:r], tensors[r:]
         lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
         if layout.dim == 0:
-            biases = rest if has_bias else (None,) * n
-            parts = [
-                torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t())
-                for w, b in zip(weights, biases)
-            ]
+            parts = []
+            for i, w in enumerate(weights):
+                lo, hi = layout.span(i)
+                b = rest[i] if bias_mode == "split" else rest[0][lo:hi] if bias_mode == "whole" else None
+                parts.append(torch.mm(x2, w.t()) if b is None else torch.addmm(b, x2, w.t()))
             y = torch.cat(parts, dim=1)
         else:
             y = None
@@ -206,10 +279,10 @@ class _PartialLinearFn(torch.autograd.Function):
                 lo, hi = layout.span(i)
                 xs = x2[:, lo:hi]
                 if y is None:
-                    y = torch.mm(xs, w.t()) if not has_bias else torch.addmm(rest[0], xs, w.t())
+                    y = torch.mm(xs, w.t()) if bias_mode == "none" else torch.addmm(rest[0], xs, w.t())
                 else:  # out= (not addmm_): in place, and visible to FlopCounterMode
                     torch.addmm(y, xs, w.t(), out=y)
-        ctx.layout, ctx.has_bias, ctx.x_shape = layout, has_bias, x.shape
+        ctx.layout, ctx.bias_mode, ctx.x_shape = layout, bias_mode, x.shape
         ctx.save_for_backward(x2, *weights)
         return y.reshape(*lead, y.shape[-1])
 
@@ -218,37 +291,40 @@ class _PartialLinearFn(torch.autograd.Function):
     def backward(ctx, gy: Tensor):
         layout: SliceLayout = ctx.layout
         x2, *weights = ctx.saved_tensors
-        n, k = layout.num_slices, layout.index
+        r = layout.num_runs
+        trained = layout.trainable_runs
         gy2 = gy.reshape(-1, gy.shape[-1])
-        need_x = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[3 + k]
-        gx = gw = None
-        gbias: list[Tensor | None] = []
+        need = ctx.needs_input_grad
+        gx = None
+        gws: list[Tensor | None] = [None] * r
         if layout.dim == 0:
-            if need_x:
+            if need[0]:
                 for i, w in enumerate(weights):
                     lo, hi = layout.span(i)
                     if gx is None:
                         gx = torch.mm(gy2[:, lo:hi], w)
                     else:
                         torch.addmm(gx, gy2[:, lo:hi], w, out=gx)
-            lo, hi = layout.trainable_span
-            if need_w:
-                gw = torch.mm(gy2[:, lo:hi].t(), x2)
-            if ctx.has_bias:
-                gbias = [None] * n
-                if ctx.needs_input_grad[3 + n + k]:
-                    gbias[k] = gy2[:, lo:hi].sum(0)
+            for i in trained:
+                if need[3 + i]:
+                    lo, hi = layout.span(i)
+                    gws[i] = torch.mm(gy2[:, lo:hi].t(), x2)
         else:
-            if need_x:
+            if need[0]:
                 gx = torch.cat([torch.mm(gy2, w) for w in weights], dim=1)
-            lo, hi = layout.trainable_span
-            if need_w:
-                gw = torch.mm(gy2.t(), x2[:, lo:hi])
-            if ctx.has_bias:
-                gbias = [gy2.sum(0) if ctx.needs_input_grad[3 + n] else None]
-        gws = [None] * n
-        gws[k] = gw
+            for i in trained:
+                if need[3 + i]:
+                    lo, hi = layout.span(i)
+                    gws[i] = torch.mm(gy2.t(), x2[:, lo:hi])
+        gbias: list[Tensor | None] = []
+        if ctx.bias_mode == "split":
+            gbias = [None] * r
+            for i in trained:
+                if need[3 + r + i]:
+                    lo, hi = layout.span(i)
+                    gbias[i] = gy2[:, lo:hi].sum(0)
+        elif ctx.bias_mode == "whole":
+            gbias = [gy2.sum(0) if need[3 + r] else None]
         if gx is not None:
             gx = gx.reshape(ctx.x_shape)
         return (gx, None, None, *gws, *gbias)
@@ -260,55 +336,58 @@ def partial_linear(
     layout: SliceLayout,
     bias: Tensor | Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """``F.linear(x, W, b)`` with ``W`` given as its slices; weight grad for ``layout.index`` only.
+    """``F.linear(x, W, b)`` with ``W`` given as its runs; weight grad for slice ``layout.index`` only.
 
-    ``weights`` are the ``N`` slices of ``W`` in order along ``layout.dim``. ``bias``: for
-    ``dim=0`` a sequence of ``N`` bias slices (or None); for ``dim=1`` the full bias (or
-    None). Only the trainable slice (and its bias part; for ``dim=1`` the whole bias) may
-    require grad: a frozen slice that requires grad would silently get no gradient, so it
+    ``weights`` are the ``R`` runs of ``W`` in order along ``layout.dim`` (shape ``(out_n,
+    in)`` or ``(out, in_n)``). ``bias``: None; the full bias as one tensor (trained whole:
+    its gradient is the full bias gradient); or, for ``dim=0``, a sequence of ``R`` bias
+    pieces split like the weight. Only the trainable runs (and their bias pieces) may
+    require grad: a frozen run that requires grad would silently get no gradient, so it
     is an error.
     """
-    n = layout.num_slices
-    if len(weights) != n:
-        raise PartialUpdateError(f"partial_linear: got {len(weights)} weight slices, layout has {n}")
+    r = layout.num_runs
+    if len(weights) != r:
+        raise PartialUpdateError(f"partial_linear: got {len(weights)} weight slices, layout has {r}")
     for i, w in enumerate(weights):
         lo, hi = layout.span(i)
-        other = w.shape[1 - layout.dim]
+        other = w.shape[1 - layout.dim] if w.dim() == 2 else None
         if w.dim() != 2 or w.shape[layout.dim] != hi - lo or other != weights[0].shape[1 - layout.dim]:
             raise PartialUpdateError(
                 f"partial_linear: weight slice {i} has shape {tuple(w.shape)}, expected size "
                 f"{hi - lo} along dim {layout.dim} and matching other dims"
             )
-        if i != layout.index and w.requires_grad:
+        if layout.owner(i) != layout.index and w.requires_grad:
             raise PartialUpdateError(
                 f"partial_linear: frozen weight slice {i} requires grad but would receive none; "
-                f"detach it or make slice {i} the trainable one (layout.index)"
+                f"detach it or make slice {layout.owner(i)} the trainable one (layout.index)"
             )
     in_features = layout.size if layout.dim == 1 else weights[0].shape[1]
+    out_features = weights[0].shape[0] if layout.dim == 1 else layout.size
     if x.shape[-1] != in_features:
         raise PartialUpdateError(
             f"partial_linear: input has {x.shape[-1]} features, the weight expects {in_features}"
         )
     biases: tuple[Tensor, ...] = ()
-    if bias is not None:
-        if layout.dim == 0:
-            if isinstance(bias, torch.Tensor) or len(bias) != n:
+    mode = "none"
+    if isinstance(bias, torch.Tensor):
+        if tuple(bias.shape) != (out_features,):
+            raise PartialUpdateError(
+                f"partial_linear: the bias has shape {tuple(bias.shape)}, expected ({out_features},)"
+            )
+        biases, mode = (bias,), "whole"
+    elif bias is not None:
+        if layout.dim != 0 or len(bias) != r:
+            raise PartialUpdateError(
+                "partial_linear: a split bias needs an output-split (dim=0) layout and one bias "
+                "piece per weight slice; pass the full bias as one tensor to train it whole"
+            )
+        biases, mode = tuple(bias), "split"
+        for i, b in enumerate(biases):
+            if layout.owner(i) != layout.index and b.requires_grad:
                 raise PartialUpdateError(
-                    "partial_linear: an output-split (dim=0) layout needs one bias slice per weight slice"
+                    f"partial_linear: frozen bias slice {i} requires grad but would receive none"
                 )
-            biases = tuple(bias)
-            for i, b in enumerate(biases):
-                if i != layout.index and b.requires_grad:
-                    raise PartialUpdateError(
-                        f"partial_linear: frozen bias slice {i} requires grad but would receive none"
-                    )
-        else:
-            if not isinstance(bias, torch.Tensor):
-                raise PartialUpdateError(
-                    "partial_linear: an input-split (dim=1) layout takes the full bias tensor"
-                )
-            biases = (bias,)
-    return _PartialLinearFn.apply(x, layout, bias is not None, *weights, *biases)
+    return _PartialLinearFn.apply(x, layout, mode, *weights, *biases)
 
 
 # --------------------------------------------------------------------------- modules
@@ -317,17 +396,25 @@ def partial_linear(
 class SlicedLinear(nn.Module):
     """An ``nn.Linear`` whose weight is split by ``layout``: one trainable slice, frozen rest.
 
-    Attributes: ``weight_slice`` (Parameter, slice ``layout.index``), buffers
-    ``frozen_weight_{n}`` for every other slice ``n``; for ``dim=0`` the bias is split the
-    same way (``bias_slice`` + ``frozen_bias_{n}``); for ``dim=1`` the bias is not split
-    and stays an ordinary trainable ``bias`` Parameter (like norms and embeddings in the
-    paper, it is trained on every rank). ``weight_name``/``bias_name`` are the original
-    qualified names of the full tensors (reported by :func:`parameter_slices`).
+    Attributes: the trainable runs are Parameters (``weight_slice`` when slice
+    ``layout.index`` is one run, else ``weight_slice_{n}`` per run ``n``), every other run
+    ``n`` is a buffer ``frozen_weight_{n}``. The bias is either *split* like the weight
+    (``dim=0`` only: ``bias_slice``/``bias_slice_{n}`` + ``frozen_bias_{n}``) or trained
+    *whole*: an ordinary ``bias`` Parameter (like norms and embeddings in the paper,
+    trained on every rank). ``dim=1`` always trains the bias whole; ``dim=0`` does when
+    ``whole_bias=True``. ``weight_name``/``bias_name`` are the original qualified names
+    of the full tensors (reported by :func:`parameter_slices`).
 
-    ``share_storage=True`` makes every slice a *view* of ``weight``/``bias`` instead of a
-    copy: no extra memory, and the original full tensors always hold the current values
-    (optimizer steps on the trainable slice write through). Moving the layer or the
-    original to another device breaks the sharing: place the model first, then slice.
+    ``transposed=True`` takes a weight stored ``(in, out)`` (GPT-2's ``Conv1D``, used as
+    ``addmm(b, x, W)``): ``layout`` still speaks of the linear map (dim 0 = outputs), the
+    pieces are cut from the stored tensor along the matching dim and keep its layout, so
+    a piece's gradient lines up with ``W.grad.narrow(...)``.
+
+    ``share_storage=True`` makes every weight piece a *view* of ``weight`` instead of a
+    copy: no extra memory, and the original full tensor always holds the current values
+    (optimizer steps on the trainable slice write through); a whole bias that is an
+    ``nn.Parameter`` is then the user's Parameter itself, not a copy. Moving the layer or
+    the original to another device breaks the sharing: place the model first, then slice.
     """
 
     def __init__(
@@ -339,40 +426,58 @@ class SlicedLinear(nn.Module):
         weight_name: str = "weight",
         bias_name: str = "bias",
         share_storage: bool = False,
+        transposed: bool = False,
+        whole_bias: bool = False,
     ) -> None:
         super().__init__()
-        if weight.dim() != 2 or weight.shape[layout.dim] != layout.size:
+        self.layout, self.transposed = layout, transposed
+        self.storage_dim = 1 - layout.dim if transposed else layout.dim
+        if weight.dim() != 2 or weight.shape[self.storage_dim] != layout.size:
             raise PartialUpdateError(
                 f"SlicedLinear({weight_name}): weight shape {tuple(weight.shape)} does not have "
-                f"size {layout.size} along dim {layout.dim}"
+                f"size {layout.size} along dim {self.storage_dim}"
             )
-        self.layout = layout
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
+        self.in_features, self.out_features = in_f, out_f
         self.weight_name, self.bias_name = weight_name, bias_name
+        trained = layout.trainable_runs
+        self._weight_names = [
+            ("weight_slice" if len(trained) == 1 else f"weight_slice_{n}") if n in trained else f"frozen_weight_{n}"
+            for n in range(layout.num_runs)
+        ]
         w = weight.detach()
-        k = layout.index
-        for n in range(layout.num_slices):
+        for n, name in enumerate(self._weight_names):
             lo, hi = layout.span(n)
-            piece = w.narrow(layout.dim, lo, hi - lo)
+            piece = w.narrow(self.storage_dim, lo, hi - lo)
             piece = piece if share_storage else piece.clone()
-            if n == k:
-                self.weight_slice = nn.Parameter(piece, requires_grad=weight.requires_grad)
+            if n in trained:
+                setattr(self, name, nn.Parameter(piece, requires_grad=weight.requires_grad))
             else:
-                self.register_buffer(f"frozen_weight_{n}", piece)
+                self.register_buffer(name, piece)
         self.has_bias = bias is not None
+        self.bias_mode = "none" if bias is None else "whole" if (layout.dim == 1 or whole_bias) else "split"
         self.bias: nn.Parameter | None = None
-        if bias is not None:
-            b = bias.detach()
-            if layout.dim == 0:
-                for n in range(layout.num_slices):
-                    lo, hi = layout.span(n)
-                    piece = b[lo:hi] if share_storage else b[lo:hi].clone()
-                    if n == k:
-                        self.bias_slice = nn.Parameter(piece, requires_grad=bias.requires_grad)
-                    else:
-                        self.register_buffer(f"frozen_bias_{n}", piece)
+        self._bias_names: list[str] = []
+        if bias is not None and tuple(bias.shape) != (out_f,):
+            raise PartialUpdateError(
+                f"SlicedLinear({bias_name}): bias shape {tuple(bias.shape)}, expected ({out_f},)"
+            )
+        if self.bias_mode == "whole":
+            if share_storage and isinstance(bias, nn.Parameter):
+                self.bias = bias  # the user's own Parameter: its gradient lands where they look
             else:
+                b = bias.detach()
                 self.bias = nn.Parameter(b if share_storage else b.clone(), requires_grad=bias.requires_grad)
+        elif self.bias_mode == "split":
+            b = bias.detach()
+            self._bias_names = [n.replace("weight", "bias") for n in self._weight_names]
+            for n, name in enumerate(self._bias_names):
+                lo, hi = layout.span(n)
+                piece = b[lo:hi] if share_storage else b[lo:hi].clone()
+                if n in trained:
+                    setattr(self, name, nn.Parameter(piece, requires_grad=bias.requires_grad))
+                else:
+                    self.register_buffer(name, piece)
 
     @classmethod
     def from_linear(
@@ -390,31 +495,33 @@ class SlicedLinear(nn.Module):
         )
 
     def weight_pieces(self) -> tuple[Tensor, ...]:
-        """The ``N`` weight slices in order (the trainable one is the Parameter)."""
-        k = self.layout.index
-        return tuple(
-            self.weight_slice if n == k else getattr(self, f"frozen_weight_{n}")
-            for n in range(self.layout.num_slices)
-        )
+        """The ``R`` weight runs in order, in the stored layout (trainable ones are Parameters)."""
+        return tuple(getattr(self, name) for name in self._weight_names)
 
     def bias_pieces(self) -> Tensor | tuple[Tensor, ...] | None:
-        if not self.has_bias:
+        """None, the whole bias (a tensor), or the split bias runs (a tuple)."""
+        if self.bias_mode == "none":
             return None
-        if self.layout.dim == 1:
+        if self.bias_mode == "whole":
             return self.bias
-        k = self.layout.index
-        return tuple(
-            self.bias_slice if n == k else getattr(self, f"frozen_bias_{n}")
-            for n in range(self.layout.num_slices)
-        )
+        return tuple(getattr(self, name) for name in self._bias_names)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return partial_linear(x, self.weight_pieces(), self.layout, self.bias_pieces())
+    def forward(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """``F.linear(x, W, b)``. ``bias`` overrides a whole bias (the compiled plan passes
+        the user's bias as read by the graph)."""
+        pieces = self.weight_pieces()
+        if self.transposed:
+            pieces = tuple(p.t() for p in pieces)
+        if bias is not None and self.bias_mode != "whole":
+            raise PartialUpdateError(
+                f"SlicedLinear({self.weight_name}): a bias argument needs a layer whose bias is trained whole"
+            )
+        return partial_linear(x, pieces, self.layout, bias if bias is not None else self.bias_pieces())
 
     @torch.no_grad()
     def full_weight(self) -> Tensor:
-        """The full ``(out, in)`` weight (a new tensor)."""
-        return torch.cat([p.detach() for p in self.weight_pieces()], dim=self.layout.dim)
+        """The full weight in its stored layout (a new tensor)."""
+        return torch.cat([p.detach() for p in self.weight_pieces()], dim=self.storage_dim)
 
     @torch.no_grad()
     def full_bias(self) -> Tensor | None:
@@ -427,16 +534,16 @@ class SlicedLinear(nn.Module):
 
     @torch.no_grad()
     def load_full(self, weight: Tensor | None = None, bias: Tensor | None = None) -> None:
-        """Copy a full weight and/or bias into the slices, in place."""
+        """Copy a full weight (stored layout) and/or bias into the pieces, in place."""
         if weight is not None:
-            if tuple(weight.shape) != (self.out_features, self.in_features):
+            shape = (self.in_features, self.out_features) if self.transposed else (self.out_features, self.in_features)
+            if tuple(weight.shape) != shape:
                 raise PartialUpdateError(
-                    f"{self.weight_name}: full weight has shape {tuple(weight.shape)}, expected "
-                    f"{(self.out_features, self.in_features)}"
+                    f"{self.weight_name}: full weight has shape {tuple(weight.shape)}, expected {shape}"
                 )
             for n, piece in enumerate(self.weight_pieces()):
                 lo, hi = self.layout.span(n)
-                piece.copy_(weight.narrow(self.layout.dim, lo, hi - lo))
+                piece.copy_(weight.narrow(self.storage_dim, lo, hi - lo))
         if bias is not None:
             pieces = self.bias_pieces()
             if pieces is None:
@@ -455,26 +562,33 @@ class SlicedLinear(nn.Module):
 
     def frozen_buffer_names(self) -> list[str]:
         """Names (relative to this layer) of the frozen-slice buffers."""
-        k = self.layout.index
-        names = [f"frozen_weight_{n}" for n in range(self.layout.num_slices) if n != k]
-        if self.has_bias and self.layout.dim == 0:
-            names += [f"frozen_bias_{n}" for n in range(self.layout.num_slices) if n != k]
+        trained = set(self.layout.trainable_runs)
+        names = [n for i, n in enumerate(self._weight_names) if i not in trained]
+        names += [n for i, n in enumerate(self._bias_names) if i not in trained]
         return names
 
     def slices(self, prefix: str = "") -> dict[str, tuple[str, tuple[int, int, int]]]:
-        """``{slice_name: (original_name, (dim, start, stop))}`` for this layer's trainable slices."""
-        lo, hi = self.layout.trainable_span
-        out = {f"{prefix}weight_slice": (self.weight_name, (self.layout.dim, lo, hi))}
-        if self.has_bias and self.layout.dim == 0:
-            out[f"{prefix}bias_slice"] = (self.bias_name, (0, lo, hi))
+        """``{slice_name: (original_name, (dim, start, stop))}`` for this layer's trainable pieces.
+
+        ``dim`` is the dim of the stored tensor. A bias trained whole is an ordinary
+        parameter and is not listed here.
+        """
+        out: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        for n in self.layout.trainable_runs:
+            lo, hi = self.layout.span(n)
+            out[f"{prefix}{self._weight_names[n]}"] = (self.weight_name, (self.storage_dim, lo, hi))
+        if self.bias_mode == "split":
+            for n in self.layout.trainable_runs:
+                lo, hi = self.layout.span(n)
+                out[f"{prefix}{self._bias_names[n]}"] = (self.bias_name, (0, lo, hi))
         return out
 
     def extra_repr(self) -> str:
-        lo, hi = self.layout.trainable_span
+        spans = ", ".join(f"{lo}:{hi}" for lo, hi in self.layout.trainable_spans)
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"dim={self.layout.dim}, slices={self.layout.num_slices}, trainable=[{lo}:{hi}], "
-            f"bias={self.has_bias}"
+            f"dim={self.layout.dim}, slices={self.layout.num_slices}, trainable=[{spans}], "
+            f"bias={self.bias_mode}" + (", transposed" if self.transposed else "")
         )
 
 
@@ -567,7 +681,7 @@ def full_parameters(module: nn.Module, names: Iterable[str] | None = None) -> di
             out[orig] = params[what]
         elif what == "weight":
             out[orig] = layer.full_weight()
-        elif layer.layout.dim == 1:
+        elif layer.bias_mode == "whole":
             out[orig] = layer.bias  # not split: the live parameter, trained on every rank
         else:
             out[orig] = layer.full_bias()
@@ -629,8 +743,8 @@ def predicted_backward_flops_saved(module: nn.Module, tokens: int) -> int:
     """
     saved = 0
     for layer in _sliced_layers(module).values():
-        lo, hi = layer.layout.trainable_span
         full = layer.out_features * layer.in_features
-        trained = (hi - lo) * (layer.in_features if layer.layout.dim == 0 else layer.out_features)
+        other = layer.in_features if layer.layout.dim == 0 else layer.out_features
+        trained = layer.layout.trainable_size * other
         saved += 2 * tokens * (full - trained)
     return saved

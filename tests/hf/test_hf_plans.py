@@ -34,9 +34,12 @@ EXACT = [
     *[(f, a, p) for f, a in [("llama", "sdpa"), ("qwen2", "eager"), ("mistral", "sdpa"), ("gemma2", "eager"),
                              ("gpt2", "sdpa"), ("mamba", "sdpa")]
       for p in ("none", "seco", "spaco")],
-    ("mamba2", "sdpa", "none"),
     ("mamba", "sdpa", "adjoint"),
     ("mamba", "sdpa", "truncated_adjoint"),
+    # Mamba-2's SSD block form (HF torch_forward), alone and in hybrids with attention
+    *[("mamba2", "sdpa", p) for p in ("none", "seco", "adjoint", "truncated_adjoint")],
+    ("bamba", "sdpa", "seco"),
+    ("nemotron_h", "sdpa", "adjoint"),
 ]
 
 

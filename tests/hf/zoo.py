@@ -255,9 +255,11 @@ def build(family: str, *, attn: str = "sdpa", layers: int = 2, seed: int = 0,
     from ``seed`` (the global RNG state is restored afterwards). MoE experts run the
     ``experts`` implementation: transformers' default ``grouped_mm`` rejects float64 on
     CPU; ``batched_mm`` (the default here) computes every expert densely with bmm (no
-    data-dependent control flow); ``eager`` loops over the experts that were hit. ``fp64_loss=True`` swaps the model's ``loss_function`` for :func:`causal_lm_loss`
+    data-dependent control flow); ``eager`` loops over the experts that were hit.
+    ``fp64_loss=True`` swaps the model's ``loss_function`` for :func:`causal_lm_loss`
     (``ForCausalLMLoss`` without its ``logits.float()``, which in a float64 model is a
-    downcast to float32); ``False`` keeps transformers' loss.
+    downcast to float32); ``False`` keeps transformers' loss. (Mamba, FalconMamba, Mamba2,
+    NemotronH and xLSTM cast their logits to float32 themselves, so their loss stays float32.)
     """
     from transformers import AutoModelForCausalLM
 
@@ -298,7 +300,8 @@ def inputs(config: Any, batch: int, T: int, seed: int = 0, *, mask: bool = False
     """``input_ids`` and ``labels`` (equal, LongTensor (batch, T)) from ``seed``.
 
     ``mask=True`` adds an all-ones ``attention_mask``; ``pad > 0`` adds one whose last row is
-    left-padded by ``pad`` tokens (pad ids, labels -100).
+    right-padded by ``pad`` tokens (pad ids, labels -100). Right, not left: with left padding
+    the first query rows see no key at all, and transformers' eager attention returns NaN there.
     """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, config.vocab_size, (batch, T), generator=g)
@@ -306,9 +309,9 @@ def inputs(config: Any, batch: int, T: int, seed: int = 0, *, mask: bool = False
     if mask or pad:
         attention_mask = torch.ones(batch, T, dtype=torch.long)
         if pad:
-            attention_mask[-1, :pad] = 0
-            out["input_ids"][-1, :pad] = config.pad_token_id or 0
-            out["labels"][-1, :pad] = -100
+            attention_mask[-1, T - pad:] = 0
+            out["input_ids"][-1, T - pad:] = config.pad_token_id or 0
+            out["labels"][-1, T - pad:] = -100
         out["attention_mask"] = attention_mask
     return out
 
