@@ -266,6 +266,7 @@ class Runner:
         if self.conn is not None:
             try:
                 self.conn.send(None)
+                self.proc.join(10)  # let the worker exit on its own before killing it
             except (BrokenPipeError, OSError):
                 pass
         self._stop()

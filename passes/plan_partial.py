@@ -17,12 +17,14 @@ register_plan(PlanSpec(
         # Analysis for cm.regions / explain (non-strict: a model without a time axis is fine).
         "annotate_time:annotate_time_locality",
         "detect_regions:detect_regions",
-        # Must see the captured aten.linear nodes, so it runs before the rewrite replaces them.
+        # Must see the captured aten.linear / aten.addmm nodes (and the view/split ops after
+        # them, which reveal fused projections), so it runs before the rewrite replaces them.
         "detect_partial:detect_sliceable_linears",
         # Consumes the partial_slice regions found just above.
         "rewrite_partial:rewrite_partial_update",
     ),
     gradient="exact on the trainable slice, none elsewhere",
-    doc="Train one slice of each MLP / attention input projection per rank (partial updates).",
+    doc="Train one slice of each MLP / attention input projection per rank (partial updates); "
+        "fused qkv / gate_up projections are sliced per block, biases are trained whole.",
     needs_time_axis=False,
 ))

@@ -137,7 +137,8 @@ def test_plain_gelu_mlp_with_biases_and_uneven_slices() -> None:
     assert _roles(cm) == {"up.weight": "mlp_in", "down.weight": "mlp_out"}
     slices = cm.parameter_slices()
     assert slices["partial.layers.up.weight_slice"][1] == (0, 7, 9)  # 9 = 3 + 2 + 2 + 2
-    assert slices["partial.layers.up.bias_slice"] == ("up.bias", (0, 7, 9))
+    # biases stay the user's own Parameters, trained whole (issue 16: they get their gradient)
+    assert slices["model.up.bias"] == ("up.bias", (0, 0, 9)) and slices["model.down.bias"] == ("down.bias", (0, 0, 6))
     for name, (orig, (dim, lo, hi)) in slices.items():
         got = cm.get_parameter(name).grad
         torch.testing.assert_close(got, ref.get_parameter(orig).grad.narrow(dim, lo, hi - lo), rtol=1e-10, atol=0)

@@ -10,6 +10,14 @@ by default ``rank mod N``) is an ``nn.Parameter``, the others are buffers::
              dim=1 (input split, MLP down)
                y = sum_n(x[..., in_n] @ W_n.T) + b   W_n: (out, in_n)
 
+A *fused* projection (``qkv``, ``gate_up``) is split inside each block: the split dim is
+cut into contiguous runs and slice ``k`` owns one run per block (``SliceLayout.owners``);
+each trainable run is its own Parameter. A weight stored ``(in, out)`` (GPT-2's
+``Conv1D``) is sliced along the matching stored dim (``SlicedLinear(transposed=True)``).
+The bias is split with the weight (``dim=0``, the standalone :func:`slice_linears` API) or
+trained whole (``dim=1``; and every layer of the compiled plan, which keeps the user's own
+bias Parameter and passes it in from the graph).
+
 The forward value is the same as ``F.linear(x, W, b)``. The backward propagates the input
 gradient through *every* slice but forms the weight gradient of the trainable slice only,
 with split matmuls, so the skipped weight-gradient FLOPs (``2 * m * (out*in - |W_k|)``

@@ -8,7 +8,7 @@ gradients of everything left unsliced; ``cm.parameter_slices()`` must name every
 that trains. Fused projections are sliced per block: Phi-3's ``qkv_proj`` (GQA: 4 query,
 2 kv heads) and ``gate_up_proj``, GPT-2's ``Conv1D`` (weight stored (in, out), used via
 ``addmm``), GPT-NeoX's head-interleaved ``query_key_value``, Qwen3-Next's query + output
-gate ``q_proj``, Granite's and Zamba2's fused MLP inputs. A pure SSM (Mamba) has no MLP or
+gate ``q_proj``, Granite's and Zamba2's fused MLP inputs (Zamba2's with a LoRA adapter). A pure SSM (Mamba) has no MLP or
 attention projection and is refused with a reason naming its fused ``in_proj``.
 """
 
@@ -64,6 +64,11 @@ EXPECT: dict[str, dict[str, tuple[str, list[tuple[int, int, int]]]]] = {
         "model.layers.0.shared_mlp.input_linear.weight": ("mlp_in", [(0, 0, 16), (0, 32, 48)]),
         "model.layers.0.shared_mlp.output_linear.weight": ("mlp_out", [(1, 0, 16)]),
     },
+    "zamba2": {  # gate_up + a LoRA adapter (A: 32->8, B: 8->128) summed before the chunk
+        "model.layers.1.shared_transformer.feed_forward.gate_up_proj.weight": ("mlp_in", [(0, 0, 32), (0, 64, 96)]),
+        "model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.0.1.weight":
+            ("mlp_in", [(0, 0, 32), (0, 64, 96)]),
+    },
 }
 
 #: Weights that must stay unsliced (output projections, MQA attention, the LM head).
@@ -75,6 +80,8 @@ UNSLICED: dict[str, list[str]] = {
     "recurrent_gemma": ["model.layers.1.temporal_block.q_proj.weight"],
     "qwen3_next": ["model.layers.1.self_attn.o_proj.weight"],
     "granitemoehybrid": ["model.layers.1.self_attn.o_proj.weight"],
+    "zamba2": ["model.layers.1.shared_transformer.self_attn.o_proj.weight",
+               "model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.0.0.weight"],
 }
 
 
