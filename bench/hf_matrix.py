@@ -15,7 +15,8 @@ Status of a cell:
 - ``mismatch (err)``: it ran, but the numbers differ (or a gradient is missing);
 - ``refused: <GradshardError subclass>: <first line>``: gradshard declined on purpose;
 - ``CRASH: <type>: <first line> at <innermost project file:line>``: any other exception;
-- ``TIMEOUT`` / ``CRASH: worker died``: the worker was killed or crashed.
+- ``TIMEOUT`` / ``CRASH: worker died``: the worker was killed or crashed;
+- ``eager reference is not finite``: the eager loss or a gradient is NaN/inf (kind ``invalid``).
 
 Relative errors: the loss ``|l - l_ref| / |l_ref|``; a gradient ``max|g - g_ref| /
 max(max|g_ref|, 1e-6 * max over all parameters of max|g_ref|)``, the worst parameter named.
@@ -454,9 +455,10 @@ def write_report(cells: list[dict[str, Any]], path: Path, runs: list[dict[str, A
             source = f"from the matrix run, finished {first.get('finished_at')}"
             if rerun is not None:
                 again = rerun(first)
-                same = cause_key(again) == key
-                source = (f"rerun at {_now()}: " + ("same cause" if same else f"NOW {again.get('status')}"))
-                tb = again.get("traceback") or f"(no traceback: {again.get('status')})"
+                if cause_key(again) == key and again.get("traceback"):
+                    source, tb = f"rerun at {_now()}: same cause", again["traceback"]
+                else:  # the code changed since the matrix ran: keep the matrix's traceback
+                    source += f"; a rerun at {_now()} gives: {again.get('status')}"
             lines += ["", f"Traceback ({first['family']}/{_row_label(first)}/{first['plan']}, phase "
                       f"{first.get('phase')}; {source}):", "", "```", tb.rstrip(), "```"]
         elif group[0].get("kind") == "mismatch":
@@ -495,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontend", help="gs.compile frontend (python, fx, dynamo; default: gradshard's)")
     ap.add_argument("--check", action="store_true", help="only run every family eagerly and time it")
     ap.add_argument("--cell", help="FAMILY:ATTN:PLAN: run one cell in this process, print its traceback")
+    ap.add_argument("--retry", help="rerun the cells of this --json file that were not exact")
     ap.add_argument("--report", help="write a markdown report of --from-json files here")
     ap.add_argument("--rerun", action="store_true",
                     help="with --report: rerun one cell per failure cause for a fresh traceback")
@@ -553,13 +556,21 @@ def main(argv: list[str] | None = None) -> int:
             print(tb)
         return 0
 
+    tasks: list[dict[str, Any]] = []
+    if args.retry:  # the cells of an earlier run that were not exact, with their own settings
+        keys = ("family", "attn", "plan", "T", "batch", "hf_loss", "mask", "frontend", "experts")
+        defaults = (None, None, None, T_DEFAULT, BATCH_DEFAULT, False, "none", None, "batched_mm")
+        old = json.loads(Path(args.retry).read_text())["cells"]
+        tasks = [{k: c.get(k, d) if c.get(k) is not None else d for k, d in zip(keys, defaults)}
+                 for c in old if c.get("kind") != "exact"]
+        args.plans = ",".join(OrderedDict((t["plan"], None) for t in tasks))
+        args.attn = ",".join(OrderedDict((t["attn"], None) for t in tasks))
     plans = args.plans.split(",")
     for p in plans:
         if p not in PLAN_OPTIONS:
             ap.error(f"unknown plan {p!r}; known: {', '.join(PLAN_OPTIONS)}")
     attns = args.attn.split(",")
-    tasks = []
-    for fam in families:
+    for fam in ([] if args.retry else families):
         # a family without any requested impl (no attention, or gemma2 without SDPA) runs
         # once with the impl it has, so every family appears in the table
         impls = [a for a in zoo.ATTN_IMPLS[fam] if a in attns] or list(zoo.ATTN_IMPLS[fam][:1])

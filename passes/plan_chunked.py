@@ -11,7 +11,10 @@ from __future__ import annotations
 from gradshard.plans import PlanSpec, SecoOptions, SpacoOptions, register_plan
 
 _PASSES = (
-    # The time analysis comes first: everything after reads ctx.analyses["time"].
+    # Before any analysis: a traced mask with always-true terms, or a causal mask written
+    # out, would otherwise be hoisted as a (T, T) tensor by the planner.
+    "simplify_masks:simplify_attention_masks",
+    # The time analysis comes next: everything after reads ctx.analyses["time"].
     "annotate_time:annotate_time_locality",
     # Per-timestep Python loops become one linear_scan each (run chunk by chunk with a carried
     # state); needs the time analysis and recomputes it, so detection below sees the scans.

@@ -8,30 +8,35 @@ It joins ``torch.distributed`` (gloo, TCP store on 127.0.0.1:PORT), runs SCENARI
 reports with marker lines (stdout and ``OUTDIR/rank{R}.log``) that the test parses::
 
     FAULT rank=R event=ready t=T                  process group is up (T: time.monotonic())
-    FAULT rank=R event=pause at=WHERE             this rank stopped at WHERE and waits to be SIGKILLed
-    FAULT rank=R event=saved step=K               a DiLoCo checkpoint of inner step K is on disk
-    FAULT rank=R event=error error=CLS mro=A,B,.. cause=CLS elapsed=S   (then the exception propagates)
-    FAULT rank=R event=done
+    FAULT rank=R event=pause t=T at=WHERE         stopped at WHERE, alive, until the test SIGKILLs it
+    FAULT rank=R event=sleeping t=T seconds=S     about to sleep S s before a collective
+    FAULT rank=R event=step|collective|synced|saved|loaded t=T ...   progress
+    FAULT rank=R event=error t=T error=CLS mro=A,B,.. cause=CLS elapsed=S   (then the exception propagates)
+    FAULT rank=R event=done t=T
 
-``elapsed`` is measured from the start of the step (or collective) in which the fault happens.
+``elapsed`` is measured from the start of the step (or collective) in which the fault happens
+(for a rank that slept: from when it woke up).
 Scenarios:
 
 - ``lasp``: a 2-layer linear-attention LM compiled with ``plan="lasp"`` (option
   ``timeout_s=timeout``) on the default world group; one clean step, then in the second step rank
   ``victim`` pauses ``at=forward`` (inside layer 1's LASP stage) or ``at=backward`` (when the
-  gradient of layer 1's LASP output arrives) until the test kills it.
+  gradient of layer 1's LASP output arrives) until the test kills it, or (``at=sleep``) sleeps
+  ``sleep`` s inside layer 1's LASP stage and then goes on.
 - ``diloco``: DiLoCo on a small MLP; ``fault=kill``: rank ``victim`` pauses on entering its
   second outer sync; ``fault=sleep``: rank ``victim`` sleeps ``sleep`` s before its second
   outer sync (then takes part).
 - ``train``: DiLoCo with dropout and two streaming fragments for ``steps`` inner steps;
-  ``mode=reference`` dumps the final state; ``mode=interrupt`` saves a checkpoint after step
-  ``ckpt``, trains two more steps and pauses; ``mode=resume`` loads that checkpoint and
-  trains to ``steps``, then dumps the final state.
+  ``mode=reference`` dumps the final state (``OUTDIR/reference-{R}.pt``); ``mode=interrupt``
+  saves a checkpoint (``ckpt_dir/ckpt-{R}.pt``) after step ``ckpt``, trains two more steps and
+  pauses; ``mode=resume`` loads that checkpoint, trains to ``steps`` and dumps the final state
+  (``OUTDIR/resume-{R}.pt``).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 import traceback
@@ -93,6 +98,11 @@ def run_lasp(rank: int, opts: dict[str, str]) -> None:
         def forward(*args: Any) -> Any:
             if at == "forward":
                 pause("forward")
+            if at == "sleep":
+                report("sleeping", seconds=opts["sleep"])
+                time.sleep(float(opts["sleep"]))
+                mark_fault_clock()
+                return original(*args)
             out = original(*args)
             first = out[0] if isinstance(out, tuple) else out
             first.register_hook(lambda grad: pause("backward"))
@@ -161,7 +171,7 @@ def run_train(rank: int, out: Path, opts: dict[str, str]) -> None:
     outer = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1), sync_every=4,
                    fragments=2, outer_lr=0.7, outer_momentum=0.9, timeout_s=float(opts["timeout"]))
     torch.manual_seed(100 + rank)  # dropout masks differ per rank and come from the global RNG
-    path = out / "ckpt-{rank}.pt"
+    path = Path(opts["ckpt_dir"]) / "ckpt-{rank}.pt"
     first = 1
     if mode == "resume":
         outer.load(path)
@@ -191,6 +201,8 @@ def run_rank(scenario: str, rank: int, world: int, port: int, out: str, opts: di
     _RANK[0] = rank
     _LOG[0] = open(Path(out) / f"rank{rank}.log", "a", buffering=1)
     torch.set_num_threads(1)
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname resolves to
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=float(opts.get("pg_timeout", "60"))),

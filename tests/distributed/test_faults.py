@@ -9,6 +9,10 @@ clock, exception class) to ``rank{R}.log``. A rank told to fail stops at a preci
 the test SIGKILLs it; a survivor must raise the documented error type within the
 communication timeout plus a margin, and exit. Every wait here has a deadline and every
 process is killed at the end, so a hang fails the test instead of stalling the suite.
+
+multiprocessing ends its children with ``os._exit``, which skips interpreter shutdown; the
+one test that checks how a survivor exits the normal way (as under torchrun) starts fresh
+interpreters with ``subprocess`` and is marked slow.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
-from multiprocessing.connection import wait as wait_for_exit
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
+
+from gradshard.distributed.checkpoint import read_checkpoint
 
 from . import fault_worker
 
@@ -35,8 +42,9 @@ MARGIN = 4.0  # scheduling slack on a loaded 2-core machine (s)
 PG_TIMEOUT = 60.0  # gloo's own group timeout: longer, so gradshard's timeout is the one that acts
 START = 120.0  # deadline for a group to get to its fault point (forkserver start, compile)
 
-_PRELOAD = [
-    "torch", "torch.distributed", "gradshard", "gradshard.distributed.diloco",
+_PRELOAD = [  # what the ranks import, so that each fork starts warm (none of it starts threads)
+    "torch", "torch.distributed", "sympy", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+    "gradshard", "gradshard.distributed.diloco",
     "gradshard.passes.plan_adjoint", "gradshard.passes.plan_chunked", "gradshard.passes.plan_lasp",
     "gradshard.passes.plan_partial", fault_worker.__name__,
 ]
@@ -56,22 +64,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Proc:
+    """A rank process started by multiprocessing (forkserver) or by subprocess (a fresh
+    interpreter that exits through normal interpreter shutdown)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.forked = not isinstance(handle, subprocess.Popen)
+
+    @property
+    def pid(self) -> int:
+        return self.handle.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.handle.exitcode if self.forked else self.handle.poll()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self.handle.kill()
+
+    def join(self, timeout: float) -> None:
+        if self.forked:
+            self.handle.join(timeout)
+        else:
+            try:
+                self.handle.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
+
 class Ranks:
     """A group of rank processes running one scenario, and what they reported."""
 
-    def __init__(self, ctx: Any, out: Path, scenario: str, world: int = 2, **opts: Any) -> None:
+    def __init__(self, ctx: Any, out: Path, scenario: str, world: int = 2, *,
+                 launcher: str = "forkserver", **opts: Any) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        opts.setdefault("pg_timeout", PG_TIMEOUT)
+        opts = {"pg_timeout": PG_TIMEOUT, **opts}
         port = free_port()
-        self.procs = [
-            ctx.Process(target=fault_worker.run_rank, daemon=True,
-                        args=(scenario, r, world, port, str(out), {k: str(v) for k, v in opts.items()}))
-            for r in range(world)
-        ]
+        self.procs: list[_Proc] = []
         self.exit_time: dict[int, float] = {}
-        for p in self.procs:
-            p.start()
+        for r in range(world):
+            if launcher == "forkserver":
+                args = (scenario, r, world, port, str(out), {k: str(v) for k, v in opts.items()})
+                handle = ctx.Process(target=fault_worker.run_rank, args=args, daemon=True)
+                handle.start()
+            else:
+                cmd = [sys.executable, fault_worker.__file__, scenario, str(r), str(world), str(port),
+                       str(out), *(f"{k}={v}" for k, v in opts.items())]
+                with open(out / f"rank{r}.stdout", "w") as sink:
+                    handle = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+            self.procs.append(_Proc(handle))
 
     def log(self, rank: int) -> str:
         path = self.out / f"rank{rank}.log"
@@ -107,18 +155,20 @@ class Ranks:
         return t
 
     def wait_exit(self, ranks: list[int], deadline: float) -> None:
-        """Record when each of ``ranks`` exits; those still alive at ``deadline`` stay unrecorded."""
-        pending = {self.procs[r].sentinel: r for r in ranks if r not in self.exit_time}
-        while pending and time.monotonic() < deadline:
-            for s in wait_for_exit(list(pending), timeout=max(0.0, deadline - time.monotonic())):
-                self.exit_time[pending.pop(s)] = time.monotonic()
+        """Record when each of ``ranks`` exits; those alive at ``deadline`` stay unrecorded."""
+        while time.monotonic() < deadline:
+            for r in ranks:
+                if r not in self.exit_time and not self.procs[r].is_alive():
+                    self.exit_time[r] = time.monotonic()
+            if all(r in self.exit_time for r in ranks):
+                break
+            time.sleep(0.02)
         for r in ranks:
             self.procs[r].join(0)
 
     def close(self) -> None:
         for p in self.procs:
-            if p.is_alive():
-                p.kill()
+            p.kill()
             p.join(10)
 
 
@@ -139,23 +189,29 @@ def _error(ranks: Ranks, rank: int, deadline: float) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("at", ["forward", "backward"])
-def test_lasp_rank_killed_mid_step_makes_the_survivor_raise_comm_timeout(ctx: Any, tmp_path: Path, at: str) -> None:
-    """Rank 1 is SIGKILLed inside layer 1 of the second step (forward, or backward when layer
-    1's output gradient arrives); rank 0 raises CommTimeoutError (naming what it waited for)
-    within the timeout + margin of the kill, and exits with status 1."""
-    with launch(ctx, tmp_path, "lasp", victim=1, at=at, timeout=TIMEOUT) as ranks:
-        ranks.wait_event(1, "pause", time.monotonic() + START)
-        assert ranks.events(1, "pause")[0]["at"] == at
-        killed = ranks.kill(1)
-        err = _error(ranks, 0, killed + TIMEOUT + MARGIN)
-        ranks.wait_exit([0], killed + TIMEOUT + MARGIN)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_lasp_rank_killed_mid_step_makes_the_survivor_raise_comm_timeout(
+    ctx: Any, tmp_path: Path, victim: int, at: str
+) -> None:
+    """The victim is SIGKILLed inside layer 1 of the second step (forward: in its LASP stage;
+    backward: when the gradient of that stage's output arrives); the survivor raises
+    CommTimeoutError naming itself, the dead peer and layer 1 within TIMEOUT + MARGIN of the
+    kill, and exits with status 1."""
+    survivor = 1 - victim
+    with launch(ctx, tmp_path, "lasp", victim=victim, at=at, timeout=TIMEOUT) as ranks:
+        assert ranks.wait_event(victim, "pause", time.monotonic() + START)["at"] == at
+        killed = ranks.kill(victim)
+        err = _error(ranks, survivor, killed + TIMEOUT + MARGIN)
+        ranks.wait_exit([survivor], killed + TIMEOUT + MARGIN)
         assert err["error"] == "CommTimeoutError", ranks.logs()
         assert float(err["t"]) - killed < TIMEOUT + MARGIN
-        assert "rank 0 waited" in ranks.log(0) and "from rank 1" in ranks.log(0) or "rank 0 could not" in ranks.log(0)
-        assert ranks.procs[1].exitcode == -signal.SIGKILL
-        assert 0 in ranks.exit_time, f"rank 0 did not exit within {TIMEOUT + MARGIN} s of the kill:\n{ranks.logs()}"
-        assert ranks.procs[0].exitcode == 1
-        assert not ranks.events(0, "step") or ranks.events(0, "step")[-1]["n"] == "1"
+        message = ranks.log(survivor)  # a KV / dKV send or receive of layer 1, depending on timing
+        assert f"rank {survivor} waited" in message and f"rank {victim}" in message, message
+        assert "layer 1" in message and "the peer most likely crashed" in message, message
+        assert ranks.procs[victim].exitcode == -signal.SIGKILL
+        assert survivor in ranks.exit_time, f"rank {survivor} did not exit in time:\n{ranks.logs()}"
+        assert ranks.procs[survivor].exitcode == 1
+        assert [e["n"] for e in ranks.events(survivor, "step")] == ["1"]  # step 2 never completed
 
 
 # --------------------------------------------------------------------------- 2. DiLoCo
@@ -178,3 +234,116 @@ def test_diloco_rank_killed_during_outer_step_makes_the_survivor_raise(ctx: Any,
         assert ranks.procs[1].exitcode == -signal.SIGKILL
         assert 0 in ranks.exit_time, f"rank 0 did not exit within {TIMEOUT + MARGIN} s of the kill:\n{ranks.logs()}"
         assert ranks.procs[0].exitcode == 1
+
+
+# --------------------------------------------------------------------------- 3. a sleeping rank
+
+SLEEP = TIMEOUT + 3.0  # longer than the timeout: the other rank must give up first
+
+
+@pytest.mark.parametrize("scenario", ["diloco", "lasp"])
+def test_sleeping_rank_makes_the_other_time_out(ctx: Any, tmp_path: Path, scenario: str) -> None:
+    """Rank 1 (DiLoCo: before its second outer all-reduce) or rank 0 (LASP: before sending
+    layer 1's KV state) sleeps longer than the timeout. The waiting rank raises after
+    ``[TIMEOUT, TIMEOUT + MARGIN)`` s: DiLoCoError from CommTimeoutError (all-reduce) or
+    CommTimeoutError (the KV receive). The sleeper, once awake, finds its peer gone and raises
+    too, promptly; both exit with status 1."""
+    sleeper, waiter = (1, 0) if scenario == "diloco" else (0, 1)
+    opts = {"fault": "sleep"} if scenario == "diloco" else {"at": "sleep"}
+    with launch(ctx, tmp_path, scenario, victim=sleeper, sleep=SLEEP, timeout=TIMEOUT, **opts) as ranks:
+        asleep = ranks.wait_event(sleeper, "sleeping", time.monotonic() + START)
+        err = _error(ranks, waiter, float(asleep["t"]) + TIMEOUT + MARGIN)
+        elapsed = float(err["elapsed"])
+        assert TIMEOUT <= elapsed < TIMEOUT + MARGIN, (elapsed, ranks.logs())
+        if scenario == "diloco":
+            assert err["error"] == "DiLoCoError" and err["cause"] == "CommTimeoutError", ranks.logs()
+            assert "the peer did not take part in time" in ranks.log(waiter)
+        else:
+            assert err["error"] == "CommTimeoutError", ranks.logs()
+            assert "for the KV state of layer 1 from rank 0" in ranks.log(waiter), ranks.logs()
+        late = _error(ranks, sleeper, float(asleep["t"]) + SLEEP + MARGIN)
+        assert float(late["elapsed"]) < MARGIN, ranks.logs()  # measured from waking up
+        ranks.wait_exit([0, 1], float(asleep["t"]) + SLEEP + MARGIN)
+        assert [ranks.procs[r].exitcode for r in (0, 1)] == [1, 1], ranks.logs()
+
+
+# --------------------------------------------------------------------------- 4. kill and resume
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-exact equality of nested state dicts (tensors: same dtype and torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+STEPS, CKPT = 12, 5  # 12 inner steps, 2 streaming fragments synced alternately every 2 steps
+
+
+def test_diloco_kill_and_resume_is_bit_exact(ctx: Any, tmp_path: Path) -> None:
+    """Both ranks are SIGKILLed two steps after a checkpoint at inner step 5 (between syncs:
+    the local parameters and AdamW state differ from the global ones); new
+    processes load the checkpoint and train to step 12. Every rank's final state (module
+    parameters, AdamW state, global parameters, outer momentum, counters and the RNG that
+    drives dropout) equals an uninterrupted run's bit for bit."""
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    common = {"steps": STEPS, "ckpt": CKPT, "ckpt_dir": ckpt_dir, "timeout": TIMEOUT}
+    with launch(ctx, tmp_path / "reference", "train", mode="reference", **common) as ref:
+        ref.wait_exit([0, 1], time.monotonic() + START)
+        assert [p.exitcode for p in ref.procs] == [0, 0], ref.logs()
+    with launch(ctx, tmp_path / "interrupt", "train", mode="interrupt", **common) as run:
+        for r in (0, 1):
+            assert run.wait_event(r, "saved", time.monotonic() + START)["step"] == str(CKPT)
+            assert run.wait_event(r, "pause", time.monotonic() + START)["at"] == f"step{CKPT + 2}"
+        for r in (0, 1):
+            run.kill(r)
+        assert [p.exitcode for p in run.procs] == [-signal.SIGKILL] * 2
+    assert not list((tmp_path / "interrupt").glob("*.pt"))
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["ckpt-0.pt", "ckpt-1.pt"]  # no temp files
+    with launch(ctx, tmp_path / "resume", "train", mode="resume", **common) as res:
+        res.wait_exit([0, 1], time.monotonic() + START)
+        assert [p.exitcode for p in res.procs] == [0, 0], res.logs()
+        assert [res.events(r, "loaded")[0]["step"] for r in (0, 1)] == [str(CKPT)] * 2
+    final = {}
+    for r in (0, 1):
+        expected = torch.load(tmp_path / "reference" / f"reference-{r}.pt", weights_only=False)
+        resumed = torch.load(tmp_path / "resume" / f"resume-{r}.pt", weights_only=False)
+        saved = read_checkpoint(ckpt_dir / f"ckpt-{r}.pt").payload
+        assert saved["inner_steps"] == CKPT and saved["fragment_syncs"] == [1, 1]
+        assert resumed["inner_steps"] == STEPS and resumed["fragment_syncs"] == [3, 3]
+        for name, p in expected["module"].items():
+            assert torch.equal(resumed["module"][name], p), f"rank {r}: parameter {name} differs"
+            assert not torch.equal(p, saved["module"][name]), name  # it trained after the checkpoint
+        assert same(resumed, expected), f"rank {r}: the resumed state differs from the uninterrupted run"
+        final[r] = resumed["module"]
+    # fragment 0 (layer `0`) last synced at step 10: the ranks' own data moved them apart since
+    assert not torch.equal(final[0]["0.weight"], final[1]["0.weight"])
+    assert torch.equal(final[0]["3.weight"], final[1]["3.weight"])  # fragment 1 synced at step 12
+
+
+# --------------------------------------------------------------------------- known bug
+
+
+@pytest.mark.slow  # two fresh interpreters: 10-20 s to import torch and gradshard on 2 busy cores
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: after CommTimeoutError the survivor's process does not exit until the abandoned gloo "
+    "all-reduce ends: at gloo's own group timeout (init_process_group(timeout=...), 30 min by "
+    "default) or when the late peer joins it, which then completes its all-reduce against the "
+    "survivor's stale buffer instead of failing. Passes when the group timeout <= gradshard's. "
+    "The forkserver tests above do not see this: multiprocessing ends children with os._exit."))
+def test_survivor_process_exits_soon_after_comm_timeout(tmp_path: Path) -> None:
+    """Like the DiLoCo sleeping-rank test, but the ranks are fresh interpreters that exit the
+    normal way (``subprocess``, as under torchrun) and gloo's group timeout (60 s) is longer
+    than gradshard's (5 s): the survivor raises after TIMEOUT s and must then exit."""
+    with launch(None, tmp_path, "diloco", launcher="subprocess", fault="sleep", victim=1,
+                sleep=PG_TIMEOUT, timeout=TIMEOUT) as ranks:
+        asleep = ranks.wait_event(1, "sleeping", time.monotonic() + START)
+        err = _error(ranks, 0, float(asleep["t"]) + TIMEOUT + MARGIN)
+        assert err["error"] == "DiLoCoError" and TIMEOUT <= float(err["elapsed"]) < TIMEOUT + MARGIN
+        ranks.wait_exit([0], float(err["t"]) + MARGIN)
+        assert ranks.procs[0].exitcode == 1, f"rank 0 raised but had not exited {MARGIN} s later"

@@ -119,3 +119,18 @@ def test_every_cell_is_exact_or_refused(family: str, attn: str, plan: str) -> No
         assert "node `" in text or "plan=" in text, f"refusal names no node: {text}"
         return
     assert err <= _tolerance(family, attn)
+
+
+def test_traced_causal_mask_becomes_is_causal_under_seco() -> None:
+    """Traced, transformers ands a packed-sequence term into a (T, T) causal mask; seco drops
+    the always-true term and runs attention with ``is_causal`` (no hoisted (T, T) mask)."""
+    model, config = build("llama", fp64_loss=False)
+    cm = gs.compile(model, plan="seco", chunk_size=8)
+    cm(input_ids=inputs(config, batch=2, T=T)["input_ids"])
+    notes = [n for r in cm.passes if r.name == "simplify_attention_masks" for n in r.notes]
+    assert sum("is_causal=True" in n for n in notes) == config.num_hidden_layers, notes
+    assert sum("always true" in n for n in notes) >= 1, notes
+    plan_notes = [n for r in cm.passes if r.name == "plan_chunk_program" for n in r.notes]
+    hoisted = [n for n in plan_notes if n.startswith("hoisted")]
+    program = cm.current.ctx.analyses["chunks"]
+    assert all(len(program.rules[h].frame) <= 1 for h in program.hoisted), hoisted
