@@ -198,10 +198,27 @@ class _Extractor:
         d = n.args[1] % v.dim()
         return d == self.site.time_dim and int(n.args[2]) in (-1, int(v.shape[d]) - 1)
 
+    def contracted_by_einsum(self) -> bool:
+        """Whether an ``einsum`` consumer of ``h`` sums over one of h's dims (SSD's readout
+        ``einsum("blhpn,blhn->blhp", h, C)``): h then carries a state dim even where the dims
+        analysis gave it no class of its own (x and B, split from one projection, share one)."""
+        for user in self.h.users:
+            if user.op != "call_function" or user.target is not aten.einsum.default:
+                continue
+            eq, ops = str(user.args[0]).replace(" ", ""), user.args[1]
+            lhs, _, rhs = eq.partition("->")
+            specs = lhs.split(",")
+            if "..." in eq or len(specs) != len(ops) or not rhs:
+                continue
+            for spec, op in zip(specs, ops):
+                if op is self.h and any(c not in rhs for c in spec):
+                    return True
+        return False
+
     def readout_closure(self, state: set[int]) -> tuple[list[fx.Node], Optional[fx.Node]]:
         R: list[fx.Node] = []
         Rset: set[fx.Node] = set()
-        open_set = {self.h} if self.is_open(self.h, state) else set()
+        open_set = {self.h} if self.is_open(self.h, state) or self.contracted_by_einsum() else set()
         final: Optional[fx.Node] = None
         desc = self.descendants(self.h)
         for n in self.gm.graph.nodes:
