@@ -9,6 +9,9 @@ from __future__ import annotations
 from gradshard.plans import AdjointOptions, PlanSpec, TruncatedAdjointOptions, register_plan
 
 _PASSES = (
+    # 0. before any analysis: attention layers of a hybrid keep plain autograd, so a traced
+    #    (T, T) mask that eager would not build is folded back into is_causal first.
+    "simplify_masks:simplify_attention_masks",
     # 1. time axis and per-node reach: everything below reads ctx.analyses["time"].
     "annotate_time:annotate_time_locality",
     # 2. roll unrolled per-timestep loops into one scan each; must precede detection (the
