@@ -174,7 +174,9 @@ class Captured:
         """
         if not self.modules:
             return [*self.params, *self.buffers]
-        return [getattr(owner, attr) for owner, attr in self._slots()]
+        # resolved by path at every call: a replaced submodule is followed too
+        return [getattr(owner, attr) for owner, attr in
+                (_slot(self.modules, name) for name in (*self.param_names, *self.buffer_names))]
 
     def call_state(self) -> list[torch.Tensor]:
         """:meth:`state` as a graph call reads it: buffers the forward updates are passed as
@@ -185,13 +187,6 @@ class Captured:
             j = len(self.params) + i
             state[j] = state[j].clone()
         return state
-
-    def _slots(self) -> list[tuple[nn.Module, str]]:
-        slots = self.__dict__.get("_slot_cache")
-        if slots is None:
-            slots = [_slot(self.modules, name) for name in (*self.param_names, *self.buffer_names)]
-            self.__dict__["_slot_cache"] = slots
-        return slots
 
     def finish(self, flat_out: Sequence[Any]) -> Any:
         """Write the forward's buffer updates back (once, as eager does) and rebuild the

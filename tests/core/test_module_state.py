@@ -164,6 +164,16 @@ def test_rebound_parameter_is_used(plan: str) -> None:
     assert len(cm.specializations) == 1  # same kind of tensor: no new capture
 
 
+def test_replaced_submodule_is_used() -> None:
+    model = Dropper().double().eval()
+    cm = gs.compile(model, plan="none")
+    x = _x()
+    cm(x)
+    model.proj = nn.Linear(5, 5).double().eval()  # same names, shapes, mode: no new capture
+    torch.testing.assert_close(cm(x), model(x), rtol=1e-10, atol=1e-10)
+    assert len(cm.specializations) == 1
+
+
 def test_frozen_parameter_captures_again_and_gets_no_grad() -> None:
     model = Dropper().double().eval()
     cm = gs.compile(model, plan="none")
