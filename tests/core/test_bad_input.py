@@ -21,12 +21,12 @@ class Mixer(nn.Module):
         return (torch.sigmoid(self.a(x)) * self.b(x)).cumsum(1)
 
 
-@pytest.mark.parametrize("factory, plan, options", [
-    (ssm, "adjoint", {"shard_size": 8}),
-    (llama, "seco", {"chunk_size": 8}),
-    (llama, "spaco", {"chunk_size": 8, "budget": 2}),
+@pytest.mark.parametrize("factory, plan, options, T", [
+    (ssm, "adjoint", {"shard_size": 8}, 1),
+    (ssm, "truncated_adjoint", {"window": 4, "shard_size": 8}, 0),
+    (llama, "seco", {"chunk_size": 8}, 0),
+    (llama, "spaco", {"chunk_size": 8, "budget": 2}, 1),
 ])
-@pytest.mark.parametrize("T", [1, 0])
 def test_one_or_zero_steps_after_capture_match_eager(factory, plan: str, options: dict, T: int) -> None:
     model, (ids,) = factory(seq_len=32)
     cm = gs.compile(model, plan=plan, **options)

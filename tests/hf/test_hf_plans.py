@@ -33,7 +33,9 @@ OPTIONS = {
 EXACT = [
     *[(f, a, p) for f, a in [("llama", "sdpa"), ("qwen2", "eager"), ("mistral", "sdpa"), ("gemma2", "eager"),
                              ("gpt2", "sdpa"), ("mamba", "sdpa")]
-      for p in ("none", "seco", "spaco")],
+      for p in ("none", "seco")],
+    ("llama", "sdpa", "spaco"),
+    ("mamba", "sdpa", "spaco"),
     ("mamba", "sdpa", "adjoint"),
     ("mamba", "sdpa", "truncated_adjoint"),
     # Mamba-2's SSD block form (HF torch_forward), alone and in hybrids with attention
