@@ -83,28 +83,11 @@ def _merges_blocks(node: fx.Node, blocks: tuple[int, int]) -> bool:
             and len(out) >= 2 and out[0] == src[0] and out[1] == c * l)
 
 
-def _exit_of(split: fx.Node, blocks: tuple[int, int]) -> Optional[fx.Node]:
-    """The one merge back to time downstream of ``split`` (None if zero or several)."""
-    seen: set[fx.Node] = set()
-    exits: set[fx.Node] = set()
-    stack = [split]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n is not split and _merges_blocks(n, blocks):
-            exits.add(n)
-            continue
-        stack.extend(u for u in n.users if u.op == "call_function")
-    return next(iter(exits)) if len(exits) == 1 else None
-
-
-def _region(entries: list[fx.Node], blocks: tuple[int, int]) -> Optional[tuple[set[fx.Node], fx.Node]]:
-    """Nodes downstream of ``entries`` up to the one merge back to time, or None."""
+def _downstream(entries: list[fx.Node], blocks: tuple[int, int]) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Nodes reachable from ``entries`` without passing a merge back to time, and those merges."""
     down: set[fx.Node] = set()
-    stack = list(entries)
     exits: set[fx.Node] = set()
+    stack = list(entries)
     while stack:
         n = stack.pop()
         if n in down:
@@ -114,6 +97,18 @@ def _region(entries: list[fx.Node], blocks: tuple[int, int]) -> Optional[tuple[s
             exits.add(n)
             continue
         stack.extend(u for u in n.users if u.op == "call_function")
+    return down, exits
+
+
+def _exit_of(split: fx.Node, blocks: tuple[int, int]) -> Optional[fx.Node]:
+    """The one merge back to time downstream of ``split`` (None if zero or several)."""
+    exits = _downstream([split], blocks)[1]
+    return next(iter(exits)) if len(exits) == 1 else None
+
+
+def _region(entries: list[fx.Node], blocks: tuple[int, int]) -> Optional[tuple[set[fx.Node], fx.Node]]:
+    """Nodes downstream of ``entries`` up to the one merge back to time, or None."""
+    down, exits = _downstream(entries, blocks)
     if len(exits) != 1:
         return None
     exit_node = next(iter(exits))
