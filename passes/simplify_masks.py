@@ -66,7 +66,7 @@ def _always_true(node: fx.Node) -> bool:
 
 
 _SDPA = aten.scaled_dot_product_attention.default
-_PASS_THROUGH = (aten.expand.default, aten.alias.default, aten.detach.default, aten._to_copy.default)
+_PASS_THROUGH = (aten.expand.default, aten.alias.default, aten.detach.default)
 
 
 def _positions(a: fx.Node, b: fx.Node) -> bool:
@@ -81,7 +81,11 @@ def _positions(a: fx.Node, b: fx.Node) -> bool:
 
 
 def _is_causal_mask(mask: fx.Node) -> bool:
-    """``mask`` is ``pos[kv] <= pos[q]`` (or ``pos[q] >= pos[kv]``) over strictly increasing ``pos``."""
+    """``mask`` is a boolean ``pos[kv] <= pos[q]`` (or ``pos[q] >= pos[kv]``) over strictly
+    increasing ``pos`` (a float mask is an additive bias, never folded)."""
+    val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+        return False
     while isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target in _PASS_THROUGH:
         mask = mask.args[0]
     if not isinstance(mask, fx.Node) or mask.op != "call_function":
