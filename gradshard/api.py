@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import Captured, capture, capture_graph_module, guard_key, state_key
+from .capture import FRONTENDS, Captured, capture, capture_graph_module, guard_key, state_key
 from .errors import GradshardError
 from .ir import PassRecord, Region
 from .pipeline import PassContext, run_passes
@@ -319,8 +319,6 @@ def compile(model_or_fn: nn.Module | Callable[..., Any], plan: str = "none", *, 
 
 def _check_compile_args(frontend: Any, time_axis: Any, backend: Any, cache_size: Any) -> None:
     """Validate ``gs.compile``'s own arguments when it is called, not at the first call."""
-    from .capture import FRONTENDS
-
     if frontend not in FRONTENDS:
         raise GradshardError(f"unknown frontend {frontend!r}; choose one of {FRONTENDS}")
     if time_axis is not None and not (isinstance(time_axis, tuple) and len(time_axis) == 2

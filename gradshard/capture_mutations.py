@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import CaptureError, node_error
+from .fake import fake_run
 
 __all__ = ["functionalize_buffer_updates"]
 
@@ -57,23 +57,6 @@ def _functional_overload(target: torch._ops.OpOverload) -> torch._ops.OpOverload
     packet = getattr(aten, name[:-1], None)
     overload = target._overloadname
     return getattr(packet, overload, None) if packet is not None else None
-
-
-def _fake_val(target: Any, args: tuple, kwargs: dict) -> Any:
-    """``meta['val']`` of a new node: the op run on its inputs' fake values, in one fake mode
-    (placeholders and traced nodes may carry values of different modes)."""
-    mode = FakeTensorMode()
-
-    def fake(a: Any) -> Any:
-        v = a.meta.get("val") if isinstance(a, fx.Node) else a
-        if isinstance(v, torch.Tensor):
-            meta = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-            return mode.fake_tensor_converter.from_meta_and_device(mode, meta, v.device)
-        return v
-
-    vals = fx.node.map_aggregate((args, kwargs), fake)
-    with mode:
-        return target(*vals[0], **vals[1])
 
 
 def _base_buffer(node: fx.Node, owner: dict[fx.Node, int]) -> int | None:
@@ -125,7 +108,7 @@ def functionalize_buffer_updates(gm: fx.GraphModule, buffer_placeholders: Sequen
             with graph.inserting_before(node):
                 new = graph.call_function(functional, node.args, node.kwargs)
             new.meta = dict(node.meta)
-            new.meta["val"] = _fake_val(functional, new.args, new.kwargs)
+            new.meta["val"] = fake_run(functional, new.args, new.kwargs)
             old_val = node.meta.get("val")
             if isinstance(old_val, torch.Tensor) and isinstance(new.meta["val"], torch.Tensor) and (
                     new.meta["val"].shape != old_val.shape or new.meta["val"].dtype != old_val.dtype):
@@ -165,7 +148,7 @@ def _functionalize_batch_norm(gm: fx.GraphModule, node: fx.Node, owner: dict[fx.
     with graph.inserting_before(node):
         fn = graph.call_function(op, (x, w, b, rm, rv, True, momentum, eps))
         fn.meta = dict(node.meta)
-        fn.meta["val"] = _fake_val(op, fn.args, {})
+        fn.meta["val"] = fake_run(op, fn.args)
         parts = []
         for i in range(5):
             g = graph.call_function(operator.getitem, (fn, i))

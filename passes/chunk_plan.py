@@ -228,13 +228,13 @@ def _build_rules(gm: fx.GraphModule, needed: set[fx.Node], tl: Any, sources: dic
                 hoisted.append(node.name)
             info = tl.info.get(node.name)
             if (not rule.frame and rule.kind != "global" and info is not None and info.time_dims
-                    and isinstance(node.meta.get("val"), torch.Tensor) and node in grad_free):
+                    and isinstance(node.meta.get("val"), torch.Tensor)):
+                if node not in grad_free:
+                    raise node_error(node, "its output runs along time but gradshard cannot follow the time "
+                                     "axis through it (a constant of the sequence length it cannot slice?)",
+                                     _INSTEAD)
                 rule = _hoisted_rule(node, tl)  # e.g. a gather of positions its rule cannot slice
                 hoisted.append(node.name)
-            elif (not rule.frame and rule.kind != "global" and info is not None and info.time_dims
-                    and isinstance(node.meta.get("val"), torch.Tensor)):
-                raise node_error(node, "its output runs along time but gradshard cannot follow the time "
-                                 "axis through it (a constant of the sequence length it cannot slice?)", _INSTEAD)
         else:
             raise node_error(node, f"{node.op} nodes are not supported by chunked plans", _INSTEAD)
         rules[node.name] = rule

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from gradshard.analysis.consts import evaluate_constant
+from gradshard.analysis.dims import shape_of
 
 from .recurrence_graph import emit_node
 
@@ -53,16 +54,11 @@ class SsdRegion:
     nodes: frozenset[fx.Node]
 
 
-def _shape(n: Any) -> Optional[tuple[int, ...]]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
 def _splits_time(node: fx.Node, time_dims: dict[str, tuple[int, ...]]) -> Optional[tuple[int, int]]:
     """``(chunks, chunk_len)`` if ``node`` reshapes a time dim 1 into two block dims."""
     if node.op != "call_function" or node.target not in _RESHAPES or not isinstance(node.args[0], fx.Node):
         return None
-    src, out = _shape(node.args[0]), _shape(node)
+    src, out = shape_of(node.args[0]), shape_of(node)
     if src is None or out is None or len(src) < 2 or len(out) != len(src) + 1:
         return None
     if 1 not in time_dims.get(node.args[0].name, ()):
@@ -77,7 +73,7 @@ def _merges_blocks(node: fx.Node, blocks: tuple[int, int]) -> bool:
     """``node`` reshapes ``(batch, chunks, chunk_len, ...)`` back to ``(batch, T', ...)``."""
     if node.op != "call_function" or node.target not in _RESHAPES:
         return False
-    src, out = _shape(node.args[0]), _shape(node)
+    src, out = shape_of(node.args[0]), shape_of(node)
     c, l = blocks
     return (src is not None and out is not None and len(src) >= 3 and src[1:3] == (c, l)
             and len(out) >= 2 and out[0] == src[0] and out[1] == c * l)
@@ -153,7 +149,7 @@ def _reference(x: torch.Tensor, log_a: torch.Tensor, B: torch.Tensor, C: torch.T
 def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
                   sources: list[fx.Node]) -> Optional[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
     """``(x, log_a, B, C)`` among ``sources`` such that the region computes the SSD scan."""
-    shapes = [_shape(s) for s in sources]
+    shapes = [shape_of(s) for s in sources]
     if len(sources) != 4 or any(s is None for s in shapes):
         return None
     decay = [s for s, sh in zip(sources, shapes) if len(sh) == 3]
@@ -161,12 +157,12 @@ def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
     if len(decay) != 1 or len(rest) != 3:
         return None
     log_a = decay[0]
-    out_shape = _shape(exit_node)
+    out_shape = shape_of(exit_node)
     sub = _subgraph(gm, nodes, exit_node, sources)
     gen = torch.Generator().manual_seed(0)
     dtype = log_a.meta["val"].dtype
-    vals = {s: torch.randn(_shape(s), generator=gen, dtype=torch.float64).to(dtype) for s in rest}
-    vals[log_a] = (-0.5 * torch.rand(_shape(log_a), generator=gen, dtype=torch.float64)).to(dtype)
+    vals = {s: torch.randn(shape_of(s), generator=gen, dtype=torch.float64).to(dtype) for s in rest}
+    vals[log_a] = (-0.5 * torch.rand(shape_of(log_a), generator=gen, dtype=torch.float64)).to(dtype)
     try:
         with torch.no_grad():
             got = sub(*[vals[s] for s in sources])
@@ -174,7 +170,7 @@ def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
         return None
     tol = 1e-9 if dtype == torch.float64 else 1e-4
     for x, Bn, Cn in itertools.permutations(rest):
-        sx, sb, sc, sa = _shape(x), _shape(Bn), _shape(Cn), _shape(log_a)
+        sx, sb, sc, sa = shape_of(x), shape_of(Bn), shape_of(Cn), shape_of(log_a)
         if sb != sc or sx[:3] != sa or sb[:3] != sa:
             continue
         with torch.no_grad():
@@ -218,7 +214,7 @@ def _right_zero_pad(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
             return None
     else:
         value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
-    spec, rank = list(node.args[1]), len(_shape(node) or ())
+    spec, rank = list(node.args[1]), len(shape_of(node) or ())
     k = rank - 2  # pads are given from the last dim backwards; dim 1 is pair k
     if value not in (None, 0, 0.0) or len(spec) < 2 * k + 2 or spec[2 * k] != 0:
         return None
@@ -242,7 +238,7 @@ def match_ssd_regions(gm: fx.GraphModule, time_dims: dict[str, tuple[int, ...]])
     for node in gm.graph.nodes:
         blocks = _splits_time(node, time_dims)
         if blocks is not None:
-            by_blocks.setdefault((blocks[0], blocks[1], _shape(node)[0]), []).append(node)
+            by_blocks.setdefault((blocks[0], blocks[1], shape_of(node)[0]), []).append(node)
     found: list[SsdRegion] = []
     for (c, l, _b), splits in by_blocks.items():
         by_exit: dict[fx.Node, list[fx.Node]] = {}
@@ -279,8 +275,8 @@ def rewrite_ssd_regions(gm: fx.GraphModule, time_dims: dict[str, tuple[int, ...]
             y = emit_node(graph, aten.einsum.default, ("blhpn,blhn->blhp", [h, C]), trace)
             if unpadded:  # C is zero on the padded steps, so y is too
                 y = emit_node(graph, aten.constant_pad_nd.default, (y, [0, 0, 0, 0, 0, unpadded[1]], 0.0), trace)
-            if _shape(y) != _shape(r.exit):
-                y = emit_node(graph, aten.reshape.default, (y, list(_shape(r.exit))), trace)
+            if shape_of(y) != shape_of(r.exit):
+                y = emit_node(graph, aten.reshape.default, (y, list(shape_of(r.exit))), trace)
         r.exit.replace_all_uses_with(y)
         notes.append(f"SSD block scan ({len(r.nodes)} nodes, exit {r.exit.name}) -> {h.name} "
                      f"(x={r.x.name}, log_a={r.log_a.name}, B={r.B.name}, C={r.C.name})")
