@@ -231,7 +231,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     # The sharded recompute reorders a low-precision scan's rounding: allow a few ulps of the
     # dtype (bf16: 6e-2, fp16: 8e-3); a time structure modelled wrongly is off by O(1).
     tol = 1e-9 if ref.dtype == torch.float64 else max(1e-3, 8 * torch.finfo(ref.dtype).eps)
-    err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1.0)) if ref.numel() else 0.0
+    err = float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1.0)) if ref.numel() else 0.0
     return err <= tol, err
 
 
