@@ -5,8 +5,8 @@ For T in {1K, 4K, 16K, 64K} and each method -- plain autograd (``plan="none"``),
 ``W = sqrt(T)`` and ``W = 1024`` -- one training step (forward, cross-entropy, backward) is
 measured with ``gs.measure``: peak memory above the parameters, bytes saved for backward,
 FLOPs (``torch.utils.flop_counter``) and wall time, reported as a ratio to plain autograd
-in the same process. Writes the table to ``bench/RESULTS.md`` under
-"## Adjoint sharding (issue 3)" (other sections are kept).
+in the same process. Writes the table to ``RESULTS.md`` (``bench/`` in a checkout, the current
+folder for an installed gradshard) under "## Adjoint sharding (issue 3)" (other sections are kept).
 
     python bench/bench_adjoint.py                       # everything (slow on 2 cores)
     python bench/bench_adjoint.py --seq-lens 1k,4k --repeat 3
@@ -28,15 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the shared RESULTS.md writer
 
 import gradshard as gs  # noqa: E402
-from examples.models.ssm import SelectiveSSMLM, SSMConfig  # noqa: E402
-from results_md import write_section  # noqa: E402
+from gradshard.examples.models.ssm import SelectiveSSMLM, SSMConfig  # noqa: E402
+from results_md import RESULTS, write_section  # noqa: E402
 
 HEADING = "## Adjoint sharding (issue 3)"
 NOTES = (
@@ -177,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlp", type=int, default=0,
                    help="put an MLP block (hidden = MLP x d_model) after every SSM layer; own RESULTS section")
     p.add_argument("--no-write", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

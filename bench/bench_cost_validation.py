@@ -5,7 +5,7 @@ and every example factory it applies to, build the cost report once (probes at s
 sizes), then run the compiled plan for real at several sequence lengths and compare the
 predicted step peak and FLOPs with the measurement. LASP is checked on three threaded gloo
 ranks (per-rank peak, FLOPs and bytes sent). Prints the table and writes it into
-``bench/RESULTS.md`` under "## Cost model validation (issue 8)" (that section only; with
+``RESULTS.md`` (``bench/`` in a checkout, else the current folder) under "## Cost model validation (issue 8)" (that section only; with
 ``--device cuda`` the steps run on the GPU, peaks from the CUDA allocator, in a section of its own).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_cost_validation.py [--plans none,seco] [--examples llama,ssm]
@@ -20,19 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the shared RESULTS.md writer
 
 import torch  # noqa: E402
 
 import gradshard as gs  # noqa: E402
-from examples import factories as F  # noqa: E402
+from gradshard.examples import factories as F  # noqa: E402
 from gradshard.cost import cost, make_step  # noqa: E402
 from gradshard.cost.units import format_bytes, format_flops  # noqa: E402
 from gradshard.cost.validate import VALIDATION_CASES, plan_applies, validate_plan  # noqa: E402
 from gradshard.measure import describe_device  # noqa: E402
-from results_md import write_section  # noqa: E402
+from results_md import RESULTS, write_section  # noqa: E402
 
 SECTION = "## Cost model validation (issue 8)"
 CUDA_SECTION = "## Cost model validation on CUDA (issue 8)"
@@ -41,10 +39,10 @@ LASP_EXAMPLES = ("linear_attention_gradshard", "linear_attention", "linear_atten
 
 
 def _lasp_rows(names: list[str], world: int = 3, seq_len: int = 48, batch: int = 2) -> list[dict]:
-    from gradshard.distributed.comm import CommCounter
+    from gradshard.runtime.comm import CommCounter
     from gradshard.distributed.testing import run_threaded
     from gradshard.measure import measure
-    from gradshard.runtime.lasp import local_slice
+    from gradshard.plans.lasp.runtime import local_slice
 
     rows = []
     for name in names:
@@ -80,7 +78,7 @@ def main() -> None:
     ap.add_argument("--plans", default=",".join(VALIDATION_CASES), help="comma-separated plans")
     ap.add_argument("--examples", default=",".join(F.FACTORIES), help="comma-separated factories")
     ap.add_argument("--no-lasp", action="store_true", help="skip the threaded LASP check")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--device", default="cpu",
                     help="where the measured steps run: cpu (dispatch tracker) or cuda (CUDA allocator peaks)")
     args = ap.parse_args()
@@ -122,8 +120,8 @@ def main() -> None:
     section = SECTION if args.device == "cpu" else CUDA_SECTION  # a GPU run keeps the CPU table
     print(f"{section}\n\n{text}")
     if not args.no_write:
-        write_section(section, text, ROOT / "bench" / "RESULTS.md")
-        print(f"wrote {ROOT / 'bench' / 'RESULTS.md'} ({section!r})")
+        write_section(section, text, RESULTS)
+        print(f"wrote {RESULTS} ({section!r})")
 
 
 def _err(p: float, m: float) -> float:

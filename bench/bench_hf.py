@@ -20,8 +20,14 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: where results go
+from results_md import CHECKOUT, RESULTS  # noqa: E402
+
+if CHECKOUT is None:
+    raise SystemExit("bench_hf builds its models from the test suite's zoo (tests/hf/zoo.py), which ships only "
+                     "in a source checkout: run `gradshard bench hf` (or `python bench/bench_hf.py`) in a clone "
+                     "of the repository, installed with `pip install -e .[dev]` (for transformers)")
+sys.path.insert(0, str(CHECKOUT))
 
 import gradshard as gs  # noqa: E402
 from tests.hf.zoo import build, inputs  # noqa: E402
@@ -82,7 +88,7 @@ def main() -> None:
                 print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if args.results:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+        with open(RESULTS, "a") as f:
             f.write("\n" + text)
     else:
         print(text)

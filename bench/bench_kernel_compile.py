@@ -142,7 +142,7 @@ def summarize(rows: list[tuple[str, CompiledVariant]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90 = H100)")
-    parser.add_argument("--results", action="store_true", help="write the section in bench/RESULTS.md")
+    parser.add_argument("--results", action="store_true", help="write the section in RESULTS.md")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     rows = compile_all(all_cases(), tuple(args.arch))

@@ -801,7 +801,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="force a gradshard.cost device profile for the roofline (e.g. h100)")
     parser.add_argument("--no-peers", action="store_true", help="time gradshard only")
     parser.add_argument("--results", action="store_true",
-                        help=f"write the tables into the '## {SECTION}' section of bench/RESULTS.md "
+                        help=f"write the tables into the '## {SECTION}' section of RESULTS.md "
                              "(one '### Measured: ...' subsection per device)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()

@@ -11,7 +11,7 @@ sequence lengths. Per configuration it reports
   above the baseline (``gradshard.measure``; the largest rank).
 
 ``--compiled`` measures the same through the compiled plan instead: the example
-linear-attention LM (``examples.models.linear_attention``) under ``gs.compile(model,
+linear-attention LM (``gradshard.examples.models.linear_attention``) under ``gs.compile(model,
 plan="lasp")`` (regions detected in the captured graph, gradients all-reduced by the plan),
 against ``plan="none"`` on one process; ``--max-len BUDGET`` finds the longest sequence each
 world size can train under a per-rank memory budget (the paper's Figure 3): bisection on the
@@ -39,17 +39,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradshard.distributed.comm import CommCounter
-from gradshard.distributed.reduce import reduce_gradients
+from gradshard.runtime.comm import CommCounter
+from gradshard.runtime.reduce import reduce_gradients
 from gradshard.distributed.testing import run_threaded
 from gradshard.measure import describe_device, format_bytes, measure
-from gradshard.runtime.lasp import dkv_label, kv_label, lasp_attention, local_slice
+from gradshard.plans.lasp.runtime import dkv_label, kv_label, lasp_attention, local_slice
 
-RESULTS = __import__("pathlib").Path(__file__).resolve().parent / "RESULTS.md"
 SECTION = "## LASP (issue 5)"
-if str(RESULTS.parent) not in sys.path:  # bench/: the shared RESULTS.md writer
-    sys.path.insert(0, str(RESULTS.parent))
-from results_md import write_section  # noqa: E402
+_HERE = str(__import__("pathlib").Path(__file__).resolve().parent)
+if _HERE not in sys.path:  # this folder: the shared RESULTS.md writer
+    sys.path.insert(0, _HERE)
+from results_md import RESULTS, write_section  # noqa: E402
 
 
 class Block(nn.Module):
@@ -118,8 +118,7 @@ def _rank(rank: int, group: Any, model: nn.Module, x: torch.Tensor, args: argpar
 
 def _example_model(args: argparse.Namespace) -> nn.Module:
     """The example TransNormer-style LM calling the lightning kernel (float32)."""
-    sys.path.insert(0, str(RESULTS.parent.parent))
-    from examples.models.linear_attention import LinearAttentionConfig, LinearAttentionLM
+    from gradshard.examples.models.linear_attention import LinearAttentionConfig, LinearAttentionLM
 
     torch.manual_seed(0)
     cfg = LinearAttentionConfig(vocab_size=256, d_model=args.d_model, n_layers=args.layers,
@@ -263,7 +262,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--compiled", action="store_true", help="measure through gs.compile(plan='lasp')")
     p.add_argument("--max-len", metavar="BUDGET", help="longest sequence per world size under BUDGET per rank")
     p.add_argument("--granularity", type=int, default=256, help="--max-len: bisection step in tokens")
-    p.add_argument("--results", action="store_true", help="write the section '## LASP (issue 5)' of bench/RESULTS.md")
+    p.add_argument("--results", action="store_true", help="write the section '## LASP (issue 5)' of RESULTS.md")
     args = p.parse_args(argv)
     if args.compiled or args.max_len:
         return _main_compiled(args)

@@ -3,7 +3,7 @@
 The rows of the paper's Table 1 -- full training, 1/2, 1/4 and 1/8 MLPs, 1/4 MLPs + 1/4
 attention heads -- are run through the real compiled plan (``gs.compile(model,
 plan="partial_update", num_slices=N, slice_index=0, targets=...)``; full training is
-``plan="none"``) on a Llama-style LM (``examples.models.llama``, SwiGLU MLPs, tied
+``plan="none"``) on a Llama-style LM (``gradshard.examples.models.llama``, SwiGLU MLPs, tied
 embeddings, multi-head attention like the paper's GPT-3 XL) with AdamW. Per row, measured:
 
 - parameter bytes: resident (distinct storages of parameters and buffers), split into the
@@ -16,20 +16,20 @@ embeddings, multi-head attention like the paper's GPT-3 XL) with AdamW. Per row,
 - per-node memory = parameters + gradients + optimizer state + activation peak (additive,
   because the gradients and the state are kept between steps);
 - forward/backward FLOPs (``torch.utils.flop_counter`` formulas via ``gs.measure``), checked
-  against :func:`gradshard.runtime.partial.predicted_backward_flops_saved`.
+  against :func:`gradshard.plans.partial_update.runtime.predicted_backward_flops_saved`.
 
 With activation recomputation (the paper's setting, section 3.1): every variant again with
 ``LlamaConfig(checkpoint_layers=True)`` (``torch.utils.checkpoint`` around each decoder layer).
 ``gs.compile`` traces through ``torch.utils.checkpoint`` (make_fx inlines it: the compiled
 graph saves every activation again), so these rows slice the model eagerly with
-:func:`gradshard.runtime.partial.slice_linears` and the same layouts the compiled plan finds
-(checked: identical ``parameter_slices``), as ``examples/train_partial.py`` does without
+:func:`gradshard.plans.partial_update.runtime.slice_linears` and the same layouts the compiled plan finds
+(checked: identical ``parameter_slices``), as ``gradshard.examples.train_partial`` does without
 ``--compile``. The same eager path is measured without recomputation too, and its gradients
 after the first step are compared with the recomputed ones.
 
 Communication: the paper's ring all-reduce estimate ``T_comm = 2 (K-1)/K * M / B`` (no
 latency term: the paper neglects it) for every-step DDP (``M`` = the gradient bytes
-all-reduced by :func:`gradshard.distributed.reduce.reduce_gradients`) and for the DiLoCo
+all-reduced by :func:`gradshard.runtime.reduce.reduce_gradients`) and for the DiLoCo
 outer loop every ``H`` steps (``M`` = the bytes :class:`~gradshard.distributed.diloco.PartialDiLoCo`
 all-reduces at a sync). Both payloads are counted with ``CommCounter`` on real objects (two
 threaded gloo ranks). Combined with the measured compute time per step into simulated
@@ -59,29 +59,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the shared RESULTS.md writer
 
 import gradshard as gs  # noqa: E402
-from examples.models.llama import LlamaConfig, LlamaLM  # noqa: E402
-from examples.train_partial import layouts_for  # noqa: E402
-from gradshard.distributed.comm import CommCounter  # noqa: E402
+from gradshard.examples.models.llama import LlamaConfig, LlamaLM  # noqa: E402
+from gradshard.examples.train_partial import layouts_for  # noqa: E402
+from gradshard.runtime.comm import CommCounter  # noqa: E402
 from gradshard.distributed.diloco import PartialDiLoCo  # noqa: E402
-from gradshard.distributed.reduce import GRAD_LABEL, reduce_gradients  # noqa: E402
+from gradshard.runtime.reduce import GRAD_LABEL, reduce_gradients  # noqa: E402
 from gradshard.distributed.testing import run_threaded  # noqa: E402
 from gradshard.measure import describe_device, format_bytes, measure  # noqa: E402
-from gradshard.runtime.partial import (  # noqa: E402
+from gradshard.plans.partial_update.runtime import (  # noqa: E402
     SlicedLinear,
     parameter_slices,
     predicted_backward_flops_saved,
     slice_linears,
 )
-from results_md import write_section  # noqa: E402
+from results_md import OUTPUT_DIR, RESULTS, write_section  # noqa: E402
 
-RESULTS = ROOT / "bench" / "RESULTS.md"
-JSON_OUT = ROOT / "bench" / "out" / "partial.json"
+JSON_OUT = OUTPUT_DIR / "out" / "partial.json"
 HEADING = "## Partial parameter updates (issue 6)"
 
 GBIT = 1e9 / 8  # bytes/s in one Gbit/s
@@ -117,7 +113,7 @@ class ModelConfig:
                            checkpoint_layers=checkpoint_layers)
 
     def describe(self) -> str:
-        return (f"Llama-style LM (`examples.models.llama.LlamaLM`): d_model {self.d_model}, {self.n_layers} "
+        return (f"Llama-style LM (`gradshard.examples.models.llama.LlamaLM`): d_model {self.d_model}, {self.n_layers} "
                 f"layers, {self.n_heads} heads ({self.n_kv_heads} kv heads), SwiGLU hidden "
                 f"{self.intermediate_size}, vocab {self.vocab_size}, "
                 f"{'tied' if self.tie_embeddings else 'untied'} embeddings, float32; batch {self.batch} x "
@@ -288,7 +284,7 @@ def prepare_variant(cfg: ModelConfig, variant: Variant, *, path: str = "compiled
     with torch.no_grad():
         cm(x)  # capture + compile; the slices exist after this call
     first_call = time.perf_counter() - t0
-    # as examples/train_partial.py: every parameter that requires grad; the full weights of
+    # as gradshard.examples.train_partial: every parameter that requires grad; the full weights of
     # sliced layers never get a .grad, so AdamW allocates no state for them
     opt = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=1e-5,
                             betas=(0.9, 0.99), weight_decay=0.1)
@@ -711,8 +707,8 @@ def _recompute_section(rows: Sequence[RowResult], eager: Sequence[RowResult], re
         "around each decoder layer, so the forward keeps only each layer's input and the backward recomputes one "
         "layer at a time (the paper trains with full activation recomputation, section 3.1). `gs.compile` does not "
         "keep this: make_fx traces through `torch.utils.checkpoint`, so the compiled graph saves every activation "
-        f"again {probe}. These rows therefore slice the model eagerly, `gradshard.runtime.partial.slice_linears` with the layouts of "
-        "`examples/train_partial.py` (as it does without `--compile`); every row checks that the eager slices are "
+        f"again {probe}. These rows therefore slice the model eagerly, `gradshard.plans.partial_update.runtime.slice_linears` with the layouts of "
+        "`gradshard.examples.train_partial` (as it does without `--compile`); every row checks that the eager slices are "
         "the compiled plan's (`parameter_slices` identical). 'no recompute' is the same eager path without "
         f"checkpointing: its per-node memory is within {_mib(drift)} MiB of the compiled rows above. Gradients "
         f"after the first step (same weights, same batch), with vs without recomputation: {grads}.\n")
@@ -984,8 +980,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-comm", action="store_true", help="skip the communication payload runs and the time model")
     p.add_argument("--no-recompute", action="store_true",
                    help="skip the rows with activation recomputation (and the eager rows without it)")
-    p.add_argument("--no-write", action="store_true", help="do not write bench/RESULTS.md")
-    p.add_argument("--json", default=None, help=f"JSON output path (default {JSON_OUT.relative_to(ROOT)}; "
+    p.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
+    p.add_argument("--json", default=None, help=f"JSON output path (default {JSON_OUT}; "
                                                 "none with --quick)")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="re-render the report from a saved JSON (no measurement); writes RESULTS.md unless --no-write")

@@ -1,6 +1,6 @@
 """SeCO / SpaCO vs. plain autograd and per-layer checkpointing: peak memory and step time.
 
-A small Llama-style model (RoPE, GQA, SwiGLU, SDPA; ``examples.models.llama``) trained with
+A small Llama-style model (RoPE, GQA, SwiGLU, SDPA; ``gradshard.examples.models.llama``) trained with
 the mean next-token cross-entropy *inside* the compiled function (so SeCO/SpaCO never
 materialise full-sequence logits), at T = 1K .. 16K on CPU. For each T:
 
@@ -32,17 +32,14 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint as ckpt
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the shared RESULTS.md writer
 
 import gradshard as gs  # noqa: E402
-from examples.factories import llama_loss  # noqa: E402
+from gradshard.examples.factories import llama_loss  # noqa: E402
 from gradshard.measure import describe_device, measure  # noqa: E402
-from results_md import write_subsection  # noqa: E402
+from results_md import OUTPUT_DIR, RESULTS, write_subsection  # noqa: E402
 
 SECTION = "## SeCO / SpaCO (issue 4)"
-RESULTS = ROOT / "bench" / "RESULTS.md"
 MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "intermediate_size": 344}
 
 
@@ -179,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="T = 256, 512; chunks 64, 128; 1 rep; no RESULTS.md")
-    p.add_argument("--rewrite", action="store_true", help="only rewrite RESULTS.md from bench/out/seco.json")
+    p.add_argument("--rewrite", action="store_true", help="only rewrite RESULTS.md from out/seco.json")
     p.add_argument("--merge", action="store_true",
                    help="keep the rows of other sequence lengths from bench/out/seco.json (re-run some T only)")
     args = p.parse_args(argv)
@@ -188,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [64, 128] if args.quick else [int(x) for x in args.chunks.split(",")]
     reps = 1 if args.quick else args.reps
     rows: list[dict[str, Any]] = []
-    out = ROOT / "bench" / "out"
+    out = OUTPUT_DIR / "out"
     if args.rewrite:
         rows = json.loads((out / "seco.json").read_text())
         lens = []

@@ -1,7 +1,7 @@
 """SpaCO learning curves (the paper's Figure 7 setting, scaled down) and SpaCO's exact bias.
 
 1. **Learning**: one small Llama-style LM trained three times from the same initialisation on
-   the same batches of offline byte-level text (``examples.data``: the Python standard
+   the same batches of offline byte-level text (``gradshard.examples.data``: the Python standard
    library's sources): exact gradients (plain autograd; SeCO gives the same numbers), SpaCO
    with Bernoulli sampling (unbiased), and the paper's SpaCO (fixed t-of-k selection with
    compensation capped at 2). Sparsity t/k = 1/8 as in the paper's headline setting. The
@@ -30,16 +30,15 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: bench_seco and results_md
 
 import gradshard as gs  # noqa: E402
 from bench_seco import write_seco_subsection  # noqa: E402
-from examples.data import iterate_batches, load_corpus  # noqa: E402
-from examples.factories import llama_cross_entropy, llama_loss  # noqa: E402
-from examples.models.llama import LlamaConfig, LlamaLM  # noqa: E402
-from gradshard.runtime.chunked import force_selection  # noqa: E402
+from gradshard.examples.data import iterate_batches, load_corpus  # noqa: E402
+from gradshard.examples.factories import llama_cross_entropy, llama_loss  # noqa: E402
+from gradshard.examples.models.llama import LlamaConfig, LlamaLM  # noqa: E402
+from results_md import OUTPUT_DIR  # noqa: E402
+from gradshard.plans.chunked.runtime import force_selection  # noqa: E402
 
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "intermediate_size": 172}
 
@@ -189,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="no RESULTS.md, no plot")
     p.add_argument("--skip-bias", action="store_true")
-    p.add_argument("--replot", action="store_true", help="redraw plot and table from bench/out/spaco_learning.json")
+    p.add_argument("--replot", action="store_true", help="redraw plot and table from out/spaco_learning.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     k = math.ceil(args.seq_len / args.chunk)
-    saved = ROOT / "bench" / "out" / "spaco_learning.json"
+    saved = OUTPUT_DIR / "out" / "spaco_learning.json"
     if args.replot:
         runs = json.loads(saved.read_text())
     else:
@@ -214,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     bias = "" if (args.skip_bias or args.replot) else bias_table()
     if args.quick:
         return 0
-    png = ROOT / "bench" / "spaco_learning.png"
+    png = OUTPUT_DIR / "spaco_learning.png"
     cfg = ", ".join(f"{a}={b}" for a, b in MODEL.items())
     made = plot(runs, png, f"SpaCO vs exact: T={args.seq_len}, {k} chunks of {args.chunk}, t={args.budget} "
                            f"(sparsity {args.budget}/{k})")
     body = (f"Llama-style LM ({cfg}, vocab 256), byte-level text from the Python standard library "
-            f"(`examples.data`, train/validation split by file), T={args.seq_len}, batch {args.batch}, "
+            f"(`gradshard.examples.data`, train/validation split by file), T={args.seq_len}, batch {args.batch}, "
             f"{args.steps} AdamW steps (lr {args.lr}, betas 0.9/0.95), same initialisation and batches for "
             f"every run. SpaCO: {k} chunks of {args.chunk}, budget t={args.budget} (sparsity {args.budget}/{k}). "
             "Train loss is the exact full-sequence loss in every run; validation loss over "

@@ -1,4 +1,8 @@
-"""Write one benchmark's section of ``bench/RESULTS.md``, leaving every other section alone.
+"""Write one benchmark's section of ``RESULTS.md``, leaving every other section alone.
+
+Where results go: in a source checkout, ``bench/RESULTS.md`` (and ``bench/out/`` for raw
+JSON); from an installed gradshard (this folder is the package ``gradshard.bench``), the
+current folder: ``./RESULTS.md`` and ``./out/``.
 
 A section is a level-2 heading (``## Title``) and everything after it up to the next
 level-2 heading (or the end of the file); subsections are level-3 headings (``### Sub``)
@@ -13,9 +17,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["RESULTS", "write_section", "write_subsection"]
+__all__ = ["CHECKOUT", "OUTPUT_DIR", "RESULTS", "write_section", "write_subsection"]
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+_HERE = Path(__file__).resolve().parent
+#: The source checkout's root when these scripts run from one (``<root>/bench``), else None.
+CHECKOUT: Path | None = (_HERE.parent if _HERE.name == "bench" and (_HERE.parent / "pyproject.toml").is_file()
+                         and (_HERE.parent / "gradshard").is_dir() else None)
+#: Folder for results: ``bench/`` in a checkout, the current folder for an installed package.
+OUTPUT_DIR = _HERE if CHECKOUT is not None else Path.cwd()
+RESULTS = OUTPUT_DIR / "RESULTS.md"
 _EMPTY = "# Benchmark results\n"
 
 

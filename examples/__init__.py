@@ -1,7 +1,8 @@
-"""Example user models and offline data for gradshard.
+"""Aliases of :mod:`gradshard.examples` in a source checkout.
 
-Everything here is plain PyTorch written the way users and reference implementations write
-it; gradshard captures and rewrites these models, they never depend on gradshard internals
-(the only exception: the optional ``scan="gradshard"`` / ``attn_impl="gradshard"`` switches,
-which call the public ``gradshard.kernels`` functions, imported lazily).
+The example models, the offline data, the factories and the training scripts ship inside the
+package (:mod:`gradshard.examples`). Every module here (``examples.data``,
+``examples.factories``, ``examples.models.*``, ``examples.train_*``) is the package's module
+object under its old name, and ``python examples/train_lasp.py`` runs
+``python -m gradshard.examples.train_lasp``.
 """

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from . import kernels
+from . import kernels, ops  # ops: the custom ops the kernels' front doors call
 from .api import CompiledModule, backend, compile, plans
 from .errors import CaptureError, GradshardError, UnsupportedGraphError
 from .measure import measure  # after the submodule import: ``gs.measure`` is the function

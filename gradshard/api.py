@@ -7,7 +7,9 @@ arguments) gets its own capture and program; nothing is silently reused across s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -68,9 +70,22 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
                       strict=spec.needs_time_axis, time_axis=time_axis, backend=backend)
     original = fx.GraphModule(gm, gm.graph)  # shares the graph; passes build new graphs
     original.graph = _copy_graph(gm)
-    out_gm, records = run_passes(gm, spec.load_passes(), ctx, progress)
+    prepared = _prepare(spec, gm, ctx)
+    out_gm, records = run_passes(gm, spec.pipeline(), ctx, progress)
+    records = [*prepared, *records]
     program = build_program(out_gm)
     return CompiledGraph(plan, opts, original, out_gm, program, tuple(ctx.regions), tuple(records), ctx, captured)
+
+
+def _prepare(spec: Any, gm: fx.GraphModule, ctx: PassContext) -> list[PassRecord]:
+    """Run the plan's ``prepare`` step (not a pass: it may talk to other ranks); record it."""
+    if spec.prepare is None:
+        return []
+    t0 = time.perf_counter()
+    notes = spec.prepare(gm, ctx)
+    doc = (spec.prepare.__doc__ or "").strip().split("\n\n")[0]
+    return [PassRecord(name=spec.prepare.__name__, doc=doc, changed=False, before=gm.code, after=gm.code,
+                       created=(), erased=(), notes=tuple(notes), regions=(), seconds=time.perf_counter() - t0)]
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
@@ -137,6 +152,9 @@ class CompiledModule(nn.Module):
             for serve in self._specializers:
                 entry = serve(self, args, kwargs)
                 if entry is not None:
+                    # a served entry carries a new graph: schedule it, so `program` and
+                    # `explain()` describe what runs, not the program it was derived from
+                    entry = dataclasses.replace(entry, program=build_program(entry.gm))
                     self._remember(key, entry)
                     break
             else:
@@ -169,25 +187,33 @@ class CompiledModule(nn.Module):
         # Compiling runs parts of the model (tracing, checks on the example inputs); it must
         # not consume the user's random stream, or a seeded first call would differ from eager.
         with torch.random.fork_rng():
-            cap = capture(self.target, args, kwargs, frontend=self.frontend)
-            example = cap.example_inputs
-            if real_values:
-                example = [real_values.get(id(t), t) for t in example]
-            short = self._short_sequence(cap, args, kwargs)
-            if short is not None and self.plan in _EXACT_AT_ONE_STEP:
-                entry = compile_graph(cap.gm, example, "none", {}, captured=cap, backend=self.backend)
-                entry.extras["short_sequence"] = (
-                    f"the time axis has {short} step(s): nothing to shard or chunk, so this call runs "
-                    f"plain autograd, which plan {self.plan!r} equals at this length")
-            else:
-                entry = compile_graph(cap.gm, example, self.plan, self.options,
-                                      captured=cap, time_axis=self.time_axis, backend=self.backend)
+            entry = self.compile_at(args, kwargs, real_values=real_values)
         hook = getattr(entry.gm, "gs_attach", None)
         if callable(hook):
             hook(self)
         self._remember(key, entry)
         self._last = entry
         return entry
+
+    def compile_at(self, args: tuple, kwargs: dict, *, real_values: Mapping[int, torch.Tensor] | None = None,
+                   plain_when_short: bool = True) -> CompiledGraph:
+        """Capture at ``args``/``kwargs`` and run the plan's passes; nothing is cached.
+
+        ``plain_when_short``: a time axis of 0 or 1 steps compiles plain autograd instead
+        (equal to the plan there); False always compiles the plan (a specialiser's probe)."""
+        cap = capture(self.target, args, kwargs, frontend=self.frontend)
+        example = cap.example_inputs
+        if real_values:
+            example = [real_values.get(id(t), t) for t in example]
+        short = self._short_sequence(cap, args, kwargs)
+        if plain_when_short and short is not None and self.plan in _EXACT_AT_ONE_STEP:
+            entry = compile_graph(cap.gm, example, "none", {}, captured=cap, backend=self.backend)
+            entry.extras["short_sequence"] = (
+                f"the time axis has {short} step(s): nothing to shard or chunk, so this call runs "
+                f"plain autograd, which plan {self.plan!r} equals at this length")
+            return entry
+        return compile_graph(cap.gm, example, self.plan, self.options,
+                             captured=cap, time_axis=self.time_axis, backend=self.backend)
 
     def _short_sequence(self, cap: Captured, args: tuple, kwargs: dict) -> int | None:
         """The time length of these inputs when it is 0 or 1, judged by the time axis an
@@ -284,6 +310,10 @@ class CompiledModule(nn.Module):
         lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
         if "short_sequence" in e.extras:
             lines.append(e.extras["short_sequence"])
+        if "respecialized_from" in e.extras:
+            lines.append(f"serving T={e.extras['seq_len']}: the program compiled at "
+                         f"T={e.extras['respecialized_from']}, re-specialised (no new capture); "
+                         "the graph, passes and program below are the re-specialised ones")
         if "recaptured_because" in e.extras:
             lines.append(f"captured again because {e.extras['recaptured_because']}")
         if e.captured is not None and e.captured.buffer_updates:

@@ -3,7 +3,7 @@
 A pass is a named callable ``(gm, ctx) -> PassResult``. *Detect* passes are pure analyses:
 they return the same graph with ``changed=False`` and their findings as ``regions``.
 *Rewrite* passes return a new graph. The manager runs one explicit ordered list per plan
-(see :mod:`gradshard.plans`), lints the graph after every pass, and records a
+(see :mod:`gradshard.plans.registry`), lints the graph after every pass, and records a
 :class:`~gradshard.ir.PassRecord` (before/after code, created/erased nodes, notes) so
 ``cm.explain()`` and ``gradshard show`` can print every intermediate graph.
 """
@@ -46,6 +46,8 @@ class PassContext:
     backend: str | None = None  # kernel backend override: "torch" | "triton" | None (auto)
     #: flat placeholder index -> time dim, as first found (kept when analyses are invalidated)
     input_time_dims: dict[int, int] = field(default_factory=dict)
+    #: what the plan's ``prepare`` step established before the passes (never invalidated)
+    plan_state: dict[str, Any] = field(default_factory=dict)
 
     def invalidate(self, *names: str) -> None:
         for n in names or list(self.analyses):

@@ -27,7 +27,7 @@ from .linear_scan import check_scan_args, shift_coefficients
 from .scan_torch import scan_torch
 
 
-def _dtypes(a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor]) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+def shard_dtypes(a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor]) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """Output dtypes (grad_a, grad_u, grad_h0)."""
     state = torch.promote_types(torch.promote_types(a.dtype, u.dtype), g.dtype)
     return a.dtype, u.dtype, state if h0 is None else h0.dtype
@@ -37,7 +37,7 @@ def adjoint_shard_torch(
     a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor], lam_carry: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Torch reference: two exact chunked scans (forward for h, reverse for lam), then products."""
-    da_t, du_t, dh_t = _dtypes(a, u, g, h0)
+    da_t, du_t, dh_t = shard_dtypes(a, u, g, h0)
     acc = accumulation_dtype(torch.promote_types(torch.promote_types(a.dtype, u.dtype), g.dtype))
     length = u.shape[1]
     if length == 0:
@@ -52,24 +52,14 @@ def adjoint_shard_torch(
     return grad_a, lam.to(du_t), grad_h0
 
 
-@torch.library.custom_op("gradshard::adjoint_shard", mutates_args=())
-def _adjoint_shard_op(
-    a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor], lam_carry: Optional[Tensor], backend: Optional[str]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Dispatcher-level op; see the module docstring."""
+def run_adjoint_shard(a: Tensor, u: Tensor, g: Tensor, h0: Optional[Tensor], lam_carry: Optional[Tensor],
+                      backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+    """The op's body (op: :mod:`gradshard.ops.adjoint_shard`): run the chosen backend."""
     if select_backend(u, backend) == "triton":
         from .triton.adjoint import adjoint_shard_triton
 
-        return adjoint_shard_triton(a, u, g, h0, lam_carry, out_dtypes=_dtypes(a, u, g, h0))
+        return adjoint_shard_triton(a, u, g, h0, lam_carry, out_dtypes=shard_dtypes(a, u, g, h0))
     return adjoint_shard_torch(a, u, g, h0, lam_carry)
-
-
-@_adjoint_shard_op.register_fake
-def _adjoint_shard_fake(a, u, g, h0, lam_carry, backend):
-    da_t, du_t, dh_t = _dtypes(a, u, g, h0)
-    return a.new_empty(a.shape, dtype=da_t), u.new_empty(u.shape, dtype=du_t), u.new_empty(
-        (u.shape[0], *u.shape[2:]), dtype=dh_t
-    )
 
 
 def adjoint_shard(

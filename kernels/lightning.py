@@ -1,21 +1,11 @@
-"""``lightning_attention``: causal linear attention with decay, block-wise, as one custom op.
+"""``lightning_attention``: block-wise causal linear attention with decay, front door and dispatch.
 
-``q, k``: (B, H, T, dk); ``v``: (B, H, T, dv); ``decay``: None, (H,) constant per head, or
-(B, H, T) per-step gates; ``initial_state``: (B, H, dk, dv) or None::
-
-    kv_t = decay_t * kv_{t-1} + k_t^T v_t,   o_t = q_t kv_t,   kv_0 = initial_state (or 0)
-
-Returns ``(o, final_state)``: ``o`` (B, H, T, dv) in the promoted input dtype and ``kv_T``
-(B, H, dk, dv) in the accumulation dtype (float32 for half inputs, float64 for float64), the
-state a LASP rank sends to the next one. Gradients flow to q, k, v, decay (either form),
-initial_state, and from ``final_state`` when it is used downstream (LASP backward receives
-dS from the next rank and returns d(initial_state)). The algorithm never divides by nor takes
-logs of decays, so gates near 0 (or exactly 0) are handled exactly; the documented range is (0, 1].
-``chunk_size`` sets the block length (results do not depend on it beyond rounding).
-
-Tracing records one ``torch.ops.gradshard.lightning_attention.default`` node (its backward is
-``torch.ops.gradshard.lightning_attention_backward``, itself not differentiable again).
+The ops (``gradshard::lightning_attention`` and its backward: fakes, VJP, time rule) are
+defined in :mod:`gradshard.ops.lightning`; this module validates arguments and runs the torch
+or Triton kernels. ``kv_t = decay_t * kv_{t-1} + k_t^T v_t``, ``o_t = q_t kv_t``; returns
+``(o, final_state)``.
 """
+
 
 from __future__ import annotations
 
@@ -52,7 +42,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], s0: Optiona
             raise ValueError(f"{where}: {name} is on {t.device} but q is on {q.device}.")
 
 
-def _dtypes(q: Tensor, k: Tensor, v: Tensor) -> tuple[torch.dtype, torch.dtype]:
+def lightning_dtypes(q: Tensor, k: Tensor, v: Tensor) -> tuple[torch.dtype, torch.dtype]:
     """(output dtype, accumulation/state dtype)."""
     out = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     return out, accumulation_dtype(out)
@@ -65,11 +55,10 @@ def per_step_decay(decay: Optional[Tensor], b: int, length: int) -> Optional[Ten
     return decay.view(1, -1, 1).expand(b, decay.shape[0], length)
 
 
-@torch.library.custom_op("gradshard::lightning_attention", mutates_args=())
-def _lightning_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], initial_state: Optional[Tensor],
-                  chunk_size: int, backend: Optional[str]) -> tuple[Tensor, Tensor]:
-    """Dispatcher-level op; see the module docstring."""
-    out_dtype, acc = _dtypes(q, k, v)
+def run_lightning_forward(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], initial_state: Optional[Tensor],
+                          chunk_size: int, backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    """The forward op's body: ``(o, final_state)`` from the chosen backend."""
+    out_dtype, acc = lightning_dtypes(q, k, v)
     steps = per_step_decay(decay, q.shape[0], q.shape[2])
     if select_backend(q, backend) == "triton":
         from .triton.lightning import lightning_fwd_triton
@@ -79,19 +68,11 @@ def _lightning_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], init
     return o.to(out_dtype).contiguous(), final.contiguous()
 
 
-@_lightning_op.register_fake
-def _lightning_fake(q, k, v, decay, initial_state, chunk_size, backend):
-    out_dtype, acc = _dtypes(q, k, v)
-    b, h, length, dk = q.shape
-    return q.new_empty((b, h, length, v.shape[-1]), dtype=out_dtype), q.new_empty((b, h, dk, v.shape[-1]), dtype=acc)
-
-
-@torch.library.custom_op("gradshard::lightning_attention_backward", mutates_args=())
-def _lightning_bwd_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], initial_state: Optional[Tensor],
-                      grad_o: Tensor, grad_state: Optional[Tensor], chunk_size: int,
-                      backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dq, dk, dv, d_decay (decay's shape; empty when decay is None), d_initial_state)."""
-    _, acc = _dtypes(q, k, v)
+def run_lightning_backward(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], initial_state: Optional[Tensor],
+                           grad_o: Tensor, grad_state: Optional[Tensor], chunk_size: int,
+                           backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward op's body: (dq, dk, dv, d_decay (decay's shape; empty without decay), d_initial_state)."""
+    _, acc = lightning_dtypes(q, k, v)
     b, h, length, _ = q.shape
     steps = per_step_decay(decay, b, length)
     if select_backend(q, backend) == "triton":
@@ -106,37 +87,6 @@ def _lightning_bwd_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], 
         d_decay = (dd.sum((0, 2)) if decay.dim() == 1 else dd).to(decay.dtype).contiguous()
     ds0 = ds0.to(initial_state.dtype if initial_state is not None else acc).contiguous()
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), d_decay, ds0)
-
-
-@_lightning_bwd_op.register_fake
-def _lightning_bwd_fake(q, k, v, decay, initial_state, grad_o, grad_state, chunk_size, backend):
-    _, acc = _dtypes(q, k, v)
-    d_decay = q.new_empty((0,)) if decay is None else decay.new_empty(decay.shape)
-    s_dtype = initial_state.dtype if initial_state is not None else acc
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_decay,
-            q.new_empty((*q.shape[:2], q.shape[-1], v.shape[-1]), dtype=s_dtype))
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, decay, initial_state, chunk_size, backend = inputs
-    ctx.chunk_size, ctx.backend = chunk_size, backend
-    ctx.save_for_backward(q, k, v, decay, initial_state)
-
-
-def _backward(ctx, grad_o: Optional[Tensor], grad_state: Optional[Tensor]):
-    q, k, v, decay, initial_state = ctx.saved_tensors
-    if grad_o is None:
-        grad_o = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=v.dtype, device=q.device)
-    dq, dk, dv, dd, ds0 = torch.ops.gradshard.lightning_attention_backward(
-        q, k, v, decay, initial_state, grad_o, grad_state, ctx.chunk_size, ctx.backend
-    )
-    need = ctx.needs_input_grad
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dd if decay is not None and need[3] else None,
-            ds0 if initial_state is not None and need[4] else None, None, None)
-
-
-_lightning_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def lightning_attention(

@@ -35,13 +35,13 @@ import torch.fx as fx
 from gradshard.analysis.locality import analyze_time_locality
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
-from . import recurrence_ops
-from .detect_recurrence import ScanSite, find_scan_sites
-from .recurrence_ssd import rewrite_ssd_regions
-from .recurrence_fold import FoldedInitialState, emit_initial_state, match_folded_initial_state
-from .recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
-from .recurrence_logspace import rewrite_heinsen_scans
-from .recurrence_normalize import unmerge_matmuls
+from gradshard.ops.dense_scan import is_scan_op
+from gradshard.passes.detect_recurrence import ScanSite, find_scan_sites
+from gradshard.passes.recurrence_ssd import rewrite_ssd_regions
+from gradshard.passes.recurrence_fold import FoldedInitialState, emit_initial_state, match_folded_initial_state
+from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
+from gradshard.passes.recurrence_logspace import rewrite_heinsen_scans
+from gradshard.passes.recurrence_normalize import unmerge_matmuls
 
 aten = torch.ops.aten
 
@@ -110,7 +110,7 @@ def _rewrite(gm: fx.GraphModule, site: ScanSite) -> str:
     nodes = {n.name: n for n in gm.graph.nodes}
     h = nodes[site.h]
     unfold = _fold_of(nodes, site)
-    if unfold is not None and unfold.perm is None and len(site.covered) == 1 and recurrence_ops.is_scan_op(h):
+    if unfold is not None and unfold.perm is None and len(site.covered) == 1 and is_scan_op(h):
         return _unfold_scan_op(gm, site, unfold.fold)
     u = unfold.fold.u if unfold is not None else nodes[site.u]
     a = unfold.a if unfold is not None else (nodes[site.a] if site.a else None)

@@ -30,7 +30,6 @@ import torch.fx as fx
 
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext
-from gradshard.passes.detect_regions import register_detector
 
 aten = torch.ops.aten
 
@@ -222,7 +221,6 @@ def attention_regions(gm: fx.GraphModule, tl: Any) -> list[Region]:
     return found
 
 
-@register_detector("attention")
 def detect_attention(gm: fx.GraphModule, ctx: PassContext) -> list[Region]:
     """Attention regions (SDPA and explicit softmax), with their KV sources and causality."""
     tl = ctx.analyses.get("time")

@@ -43,15 +43,14 @@ from gradshard.analysis.locality import DATA_INDEPENDENT, TimeLocality
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext
 
-from .detect_regions import register_detector
-from .linear_attention_graph import (
+from gradshard.passes.linear_attention_graph import (
     Component,
     ConstValues,
     classify_nodes,
     evaluate_members,
     find_components,
 )
-from .linear_attention_spec import DecaySpec, LaspSpec, decay_spec_for, layout_for, reference_attention
+from gradshard.passes.linear_attention_spec import DecaySpec, LaspSpec, decay_spec_for, layout_for, reference_attention
 
 aten = torch.ops.aten
 
@@ -98,7 +97,6 @@ class LinearAttentionAnalysis:
     dead: list[Component] = field(default_factory=list)
 
 
-@register_detector(KIND)
 def detect_linear_attention(gm: fx.GraphModule, ctx: PassContext) -> list[Region]:
     """Linear-attention regions of ``gm`` (cumsum-only prefix sums are reported by the rewrite)."""
     analysis = analyze_linear_attention(gm, ctx)

@@ -29,7 +29,7 @@ space, a bare ``cumprod``.
 ``torch.ops.higher_order.associative_scan`` nodes (the pointwise mode, CUDA) have a detection
 hook below that is **untested** here (no CUDA). mamba_ssm's ``selective_scan_fn`` never reaches
 this pass: capture swaps it for a twin written with ``gs.kernels.linear_scan``
-(:mod:`gradshard.substitutions`), which is found as the first form above.
+(:mod:`gradshard.capture.substitutions`), which is found as the first form above.
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ import torch.fx as fx
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext
 
-from . import recurrence_ops
-from .detect_regions import register_detector
-from .recurrence_graph import live_nodes
+from gradshard.ops.dense_scan import is_scan_op
+from gradshard.passes.recurrence_graph import live_nodes
 
 aten = torch.ops.aten
 
@@ -98,7 +97,7 @@ def _is_float(node: fx.Node) -> bool:
 def _scan_op_sites(gm: fx.GraphModule, tl: Any) -> list[ScanSite]:
     sites = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not recurrence_ops.is_scan_op(node):
+        if node.op != "call_function" or not is_scan_op(node):
             continue
         dense = "dense" in str(node.target)
         a, u = node.args[0], node.args[1]
@@ -484,7 +483,6 @@ def find_scan_sites(gm: fx.GraphModule, tl: Any) -> list[ScanSite]:
     return sorted(out, key=lambda s: order[s.h])
 
 
-@register_detector("linear_recurrence")
 def detect_linear_recurrences(gm: fx.GraphModule, ctx: PassContext) -> list[Region]:
     """Report every linear recurrence as a ``linear_recurrence`` region (pure)."""
     tl = ctx.analyses.get("time")

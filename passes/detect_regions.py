@@ -1,8 +1,9 @@
 """detect_regions: run every registered region detector, then cover what none claimed.
 
-Detectors are plain functions ``(gm, ctx) -> list[Region]`` registered with
-:func:`register_detector` by the modules that know one kind of region (recurrences,
-attention, linear attention). Nodes that read unboundedly far along
+Detectors are plain functions ``(gm, ctx) -> list[Region]``, one per module that knows one
+kind of region; :data:`DETECTORS` lists them in the order they run (recurrences, attention,
+linear attention), and :func:`register_detector` adds one more (a plugin's detector runs
+after the built-in ones). Nodes that read unboundedly far along
 time but that no detector claimed become ``time_mixer`` regions, so nothing that grows
 with sequence length goes unreported.
 """
@@ -15,10 +16,18 @@ import torch.fx as fx
 
 from gradshard.errors import GradshardError
 from gradshard.ir import Region, source_of
+from gradshard.passes.detect_attention import detect_attention
+from gradshard.passes.detect_linear_attention import KIND as LINEAR_ATTENTION
+from gradshard.passes.detect_linear_attention import detect_linear_attention
+from gradshard.passes.detect_recurrence import detect_linear_recurrences
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
 Detector = Callable[[fx.GraphModule, PassContext], list[Region]]
-DETECTORS: dict[str, Detector] = {}
+DETECTORS: dict[str, Detector] = {
+    "linear_recurrence": detect_linear_recurrences,
+    "attention": detect_attention,
+    LINEAR_ATTENTION: detect_linear_attention,
+}
 
 __all__ = ["register_detector", "detect_regions", "DETECTORS"]
 
@@ -27,23 +36,17 @@ def register_detector(name: str) -> Callable[[Detector], Detector]:
     """Register a region detector under ``name`` (detectors run in registration order)."""
 
     def deco(fn: Detector) -> Detector:
+        if name in DETECTORS:
+            raise GradshardError(f"a region detector named {name!r} is already registered")
         DETECTORS[name] = fn
         return fn
 
     return deco
 
 
-def _load_detectors() -> None:
-    import importlib
-
-    for mod in ("detect_recurrence", "detect_attention", "detect_linear_attention"):
-        importlib.import_module(f"gradshard.passes.{mod}")
-
-
 @graph_pass
 def detect_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Find the regions whose memory grows with sequence length (analysis only)."""
-    _load_detectors()
     tl = ctx.analyses.get("time")
     found: list[Region] = []
     notes: list[str] = []

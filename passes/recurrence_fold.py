@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .recurrence_graph import fake_run
+from gradshard.passes.recurrence_graph import fake_run
 
 aten = torch.ops.aten
 

@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .recurrence_fold import time_slice
-from .recurrence_graph import emit_node, live_nodes, live_users, time_from_dim1, time_to_dim1
+from gradshard.passes.recurrence_fold import time_slice
+from gradshard.passes.recurrence_graph import emit_node, live_nodes, live_users, time_from_dim1, time_to_dim1
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .recurrence_graph import fake_run
+from gradshard.passes.recurrence_graph import fake_run
 
 aten = torch.ops.aten
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 from gradshard.analysis.consts import evaluate_constant
 from gradshard.analysis.dims import shape_of
 
-from .recurrence_graph import emit_node
+from gradshard.passes.recurrence_graph import emit_node
 
 aten = torch.ops.aten
 

@@ -40,10 +40,9 @@ import torch.fx as fx
 from gradshard.analysis.locality import analyze_time_locality
 from gradshard.errors import node_error
 from gradshard.pipeline import PassContext, PassResult, graph_pass
-from gradshard.runtime.adjoint_loops import RolledBody, run_rolled_body
+from gradshard.ops.rolled_body import RolledBody, run_rolled_body
 
-from . import recurrence_ops  # noqa: F401  (dims/time rules for the new nodes)
-from .recurrence_graph import fake_run
+from gradshard.passes.recurrence_graph import fake_run
 
 aten = torch.ops.aten
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 from gradshard.analysis.consts import evaluate_constant
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
-from .recurrence_graph import copy_graph_module
+from gradshard.passes.recurrence_graph import copy_graph_module
 
 aten = torch.ops.aten
 

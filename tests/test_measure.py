@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from gradshard.measure import (
+    CudaPeak,
     LiveSample,
     LiveTensorTracker,
     Measurement,
     StepContractError,
-    _CudaPeak,
-    _saved_stack,
+    active_saved_recorders,
     describe_device,
     format_bytes,
     measure,
@@ -39,7 +39,7 @@ def _no_instrumentation_left() -> bool:
         not _get_current_dispatch_mode_stack()
         and torch._dynamo.eval_frame._stance.stance == "default"
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        and _saved_stack() == []
+        and active_saved_recorders() == []
     )
 
 
@@ -495,16 +495,16 @@ def test_cuda_peak_survives_nested_reset(monkeypatch: pytest.MonkeyPatch) -> Non
         lambda device=None: state.update(peak=state["allocated"]),
     )
     dev = torch.device("cuda", 0)
-    with _CudaPeak(dev) as outer:
+    with CudaPeak(dev) as outer:
         alloc(50)
         alloc(-50)
-        with _CudaPeak(dev) as inner:  # resets the global peak, erasing the outer's 150
+        with CudaPeak(dev) as inner:  # resets the global peak, erasing the outer's 150
             alloc(30)
             alloc(-40)
         alloc(5)
     assert inner.peak_bytes == 30
     assert outer.peak_bytes == 50
-    assert _CudaPeak._stack == []
+    assert CudaPeak._stack == []
     assert describe_device("cpu").startswith("cpu (")
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from gradshard.runtime.partial import (
+from gradshard.plans.partial_update.runtime import (
     PartialUpdateError,
     SlicedLinear,
     SliceLayout,

@@ -149,11 +149,15 @@ SCAN_OPS: dict[Any, int] = {
 # Ops that read only their inputs' metadata (shape, dtype, device), never the data.
 DATA_INDEPENDENT = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like,
                     aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like}
-# gradshard custom ops: qualified name -> (time dim of main input, reach)
-CUSTOM_TIME_OPS: dict[str, tuple[int, Reach]] = {
-    "gradshard::linear_scan": (1, ALL_PAST),
-    "gradshard::lightning_attention": (2, ALL_PAST),
-}
+# gradshard custom ops: qualified name -> (time dim of main input, reach). Each op registers
+# its entry where it is defined (gradshard/ops/), with :func:`register_time_op`.
+CUSTOM_TIME_OPS: dict[str, tuple[int, Reach]] = {}
+
+
+def register_time_op(qualname: str, *, time_dim: int, reach: Reach) -> None:
+    """Declare how custom op ``qualname`` reads time: along ``time_dim`` of its main input,
+    each output step reading the input steps ``reach`` around it."""
+    CUSTOM_TIME_OPS[qualname] = (time_dim, reach)
 
 
 def _qualname(node: fx.Node) -> str | None:

@@ -25,14 +25,10 @@ def run_demo(console: Console, *, plan: str, steps: int, seq_len: int, batch: in
     import gradshard as gs
     from gradshard.plans import get_plan
 
-    from .load import repo_root
+    from gradshard.examples.data import iterate_batches, load_corpus
+    from gradshard.examples.models.ssm import SelectiveSSMLM, SSMConfig
+
     from .render import human_bytes, program_summary, regions_table
-
-    import sys
-
-    sys.path.insert(0, str(repo_root()))
-    from examples.data import iterate_batches, load_corpus
-    from examples.models.ssm import SelectiveSSMLM, SSMConfig
 
     torch.manual_seed(0)
     spec = get_plan(plan)
@@ -61,7 +57,7 @@ def run_demo(console: Console, *, plan: str, steps: int, seq_len: int, batch: in
         entry = cm.compiled_for(ids)
     console.print(regions_table(entry.regions))
     console.print(program_summary(entry.program))
-    console.print("[dim](every pass and stage: gradshard show examples/factories.py:ssm_gradshard_scan --plan adjoint)[/]")
+    console.print("[dim](every pass and stage: gradshard show ssm_gradshard_scan --plan adjoint)[/]")
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses: list[float] = []

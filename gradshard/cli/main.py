@@ -1,19 +1,22 @@
-"""``gradshard`` command line: show, cost, whatif, bench, demo, plans.
+"""``gradshard`` command line: show, cost, whatif, bench, demo, plans, factories.
 
-Every command takes a ``FILE.py:FACTORY`` target where a model is needed: a function that
-returns ``(model_or_fn, example_inputs)`` (see ``examples/factories.py``).
+Where a model is needed a command takes a target naming a factory, a function that returns
+``(model_or_fn, example_inputs)``: ``NAME`` (one that ships with gradshard, see
+``gradshard factories``), ``MODULE:FACTORY`` or ``FILE.py:FACTORY`` (:mod:`gradshard.cli.load`).
+Everything the commands need ships in the package: the example models and factories
+(:mod:`gradshard.examples`) and the benchmark scripts (``gradshard.bench``).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-from typing import Any
 
 from rich.console import Console
 
 from gradshard.errors import GradshardError
+
+from .load import TARGET_HELP
 
 console = Console()
 
@@ -21,7 +24,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_target(p: argparse.ArgumentParser, seq_len: bool = True) -> None:
-    p.add_argument("target", help="FILE.py:FACTORY, a function returning (model_or_fn, example_inputs)")
+    p.add_argument("target", help=TARGET_HELP)
     if seq_len:
         p.add_argument("--seq-len", type=int, default=None, help="sequence length passed to the factory")
     else:
@@ -36,12 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradshard",
         description="gradshard: a compiler for the backward pass of long-context models.",
-        epilog="Examples:\n"
-               "  gradshard show examples/factories.py:ssm_loop --plan adjoint\n"
-               "  gradshard cost examples/factories.py:llama --plan none,seco --seq-len 1k,64k,1M --device h100\n"
-               "  gradshard whatif examples/factories.py:ssm --plan truncated_adjoint -o window=1024 --max-seq-len --memory 80GB\n"
-               "  gradshard bench adjoint\n"
-               "  gradshard demo",
+        epilog="Targets: NAME (a factory shipped with gradshard: `gradshard factories`), MODULE:FACTORY\n"
+               "or FILE.py:FACTORY; a factory returns (model_or_fn, example_inputs).\n\n"
+               "Examples:\n"
+               "  gradshard show ssm_loop --plan adjoint\n"
+               "  gradshard show gradshard.examples.factories:llama --plan seco -o chunk_size=8\n"
+               "  gradshard show ./my_model.py:build --plan adjoint\n"
+               "  gradshard cost llama --plan none,seco --seq-len 1k,64k,1M --device h100\n"
+               "  gradshard whatif ssm --plan truncated_adjoint -o window=1024 --max-seq-len --memory 80GB\n"
+               "  gradshard bench list\n"
+               "  gradshard bench seco --quick\n"
+               "  gradshard demo --steps 10",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plans", help="list the plans, their options and gradient semantics")
     p.set_defaults(func=cmd_plans)
+
+    p = sub.add_parser("factories", help="list the model factories that ship with gradshard (targets by NAME)")
+    p.set_defaults(func=cmd_factories)
 
     p = sub.add_parser("cost", help="predict memory/FLOPs/communication per plan and sequence length (sympy cost model)")
     _add_target(p, seq_len=False)
@@ -75,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot memory vs. sequence length per plan")
     p.set_defaults(func=cmd_whatif)
 
-    p = sub.add_parser("bench", help="run a benchmark script from bench/ (writes bench/RESULTS.md)")
-    p.add_argument("name", nargs="?", default="list", help="benchmark name (bench/bench_NAME.py), 'all' or 'list'")
+    p = sub.add_parser("bench", help="list or run the benchmark scripts shipped as gradshard.bench; tables go to "
+                                      "bench/RESULTS.md in a source checkout, else ./RESULTS.md")
+    p.add_argument("name", nargs="?", default="list", help="benchmark NAME (bench_NAME.py), 'all' or 'list' (default)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=cmd_bench)
 
@@ -131,7 +143,7 @@ def cmd_plans(args: argparse.Namespace) -> int:
         spec = get_plan(name)
         opts = ", ".join(f.name + ("" if f.default is dataclasses.MISSING else f"={f.default!r}")
                          for f in dataclasses.fields(spec.options))
-        t.add_row(name, opts or "-", spec.gradient, "\n".join(p.split(":")[1] for p in spec.passes))
+        t.add_row(name, opts or "-", spec.gradient, "\n".join(p.name for p in spec.pipeline()))
     console.print(t)
     return 0
 
@@ -148,25 +160,26 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     return run_whatif(args, console)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .load import repo_root
+def cmd_factories(args: argparse.Namespace) -> int:
+    from rich.table import Table
 
-    bench_dir = repo_root() / "bench"
-    scripts = sorted(bench_dir.glob("bench_*.py"))
-    names = [s.stem.removeprefix("bench_") for s in scripts]
-    if args.name == "list":
-        console.print("benchmarks: " + ", ".join(names) + "\nrun one with `gradshard bench NAME`")
-        return 0
-    chosen = names if args.name == "all" else [args.name]
-    for name in chosen:
-        script = bench_dir / f"bench_{name}.py"
-        if not script.exists():
-            raise GradshardError(f"no benchmark {name!r}; available: {', '.join(names)}")
-        console.rule(f"bench {name}")
-        rc = subprocess.call([sys.executable, str(script), *args.args])
-        if rc != 0:
-            return rc
+    from .load import builtin_factories
+
+    t = Table(title="model factories shipped with gradshard (gradshard.examples.factories)")
+    t.add_column("NAME")
+    t.add_column("model", overflow="fold")
+    for name, fn in builtin_factories().items():
+        t.add_row(name, (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+    console.print(t)
+    console.print("use one as a target: `gradshard show NAME --plan adjoint`; size overrides: --seq-len, --batch; "
+                  "your own model: MODULE:FACTORY or FILE.py:FACTORY")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench_cmd import run_bench
+
+    return run_bench(args, console)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -30,8 +30,6 @@ same bytes (the probe and ``gs.measure`` agree exactly either way).
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -41,14 +39,13 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..capture import capture, flatten_output
-from ..measure import LiveTensorTracker, _StepInstrument  # the instrument gs.measure uses
+from ..measure import LiveTensorTracker, SavedTensorRecorder, StepFlopCounter, record_saved  # gs.measure's instruments
 from .inputs import (CostProbeError, InputAxes, fake_clone, find_input_axes, real_clone, resize_inputs,
                      tensor_leaves)
 
 __all__ = ["InputAxes", "ProbeSample", "CostProbeError", "default_loss", "find_input_axes",
            "resize_inputs", "fake_clone", "make_step", "run_probe", "REAL_PROBE_MAX_BYTES"]
 
-_graph_task_id = torch._C._current_graph_task_id
 # "auto" probes models with at most this much state on real tensors: at probe sizes a real
 # step of a small model is faster than the fake-tensor dispatch, and exactly what runs.
 REAL_PROBE_MAX_BYTES = 64 << 20
@@ -97,26 +94,6 @@ def make_step(module: Callable[..., Any], loss_fn: Callable[[Any], torch.Tensor]
 
 
 # --------------------------------------------------------------------------- recording
-
-
-class _SavedBytes:
-    """Distinct storages saved for backward during the forward that the tracker owns."""
-
-    def __init__(self, tracker: LiveTensorTracker) -> None:
-        self.tracker = tracker
-        self.bytes = 0
-        self._seen: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if _graph_task_id() == -1 and self.tracker.owns(t):
-            st = t.untyped_storage()
-            key = st._cdata
-            with self._lock:
-                if key not in self._seen:
-                    self._seen[key] = weakref.ref(st, lambda _r, k=key: self._seen.pop(k, None))
-                    self.bytes += st.nbytes()
-        return t.detach()
 
 
 @dataclass(frozen=True)
@@ -271,19 +248,19 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
     input_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(finputs))
     device = next((t.device for t in tensor_leaves(finputs)), torch.device("cpu"))
     step = _grad_step(cm, loss_fn) if fake else make_step(cm, loss_fn)
-    tracker = _StepInstrument(device=device, timeline=True)
-    saved = _SavedBytes(tracker)
+    tracker = LiveTensorTracker(device=device, timeline=True)
+    saved = SavedTensorRecorder(tracker)
+    flops = StepFlopCounter()
     with contextlib.ExitStack() as stack:
         if context is not None:
             stack.enter_context(context())
-        with tracker, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        with tracker, flops, record_saved(saved):
             step(*finputs)
-    total_flops = tracker.total_flops
     timeline = tracker.timeline
     return ProbeSample(
-        batch=batch, seq_len=seq_len, peak_bytes=tracker.peak_bytes, saved_bytes=saved.bytes,
+        batch=batch, seq_len=seq_len, peak_bytes=tracker.peak_bytes, saved_bytes=saved.activation_bytes,
         retained_bytes=tracker.live_bytes, allocated_bytes=tracker.allocated_bytes,
-        flops_fwd=total_flops - tracker.backward_flops, flops_bwd=tracker.backward_flops,
+        flops_fwd=flops.forward_flops, flops_bwd=flops.backward_flops,
         state_bytes=state, trainable_bytes=trainable, input_bytes=input_bytes,
         peak_phase=tracker.peak_phase, mode="fake" if fake else "real",
         ops=tuple(s.op for s in timeline if not s.op.startswith("prim.")),

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 import sympy
 
-from .fit import T
+from gradshard.cost.fit import T
 
 __all__ = ["PlanRule", "RuleContext", "RULES", "register_rule", "get_rule", "R", "OPTIMIZER_STATES",
            "optimizer_states"]
@@ -138,7 +138,7 @@ register_rule(PlanRule(
 
 
 def _spaco_all_chunks(options: Any, seq_len: int) -> Any:
-    from ..runtime.chunked import force_selection
+    from gradshard.plans.chunked.runtime import force_selection
 
     return force_selection(range(-(-seq_len // options.chunk_size)))
 
@@ -176,7 +176,7 @@ def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
     relay = 2 * state  # forward KV to rank+1, backward dKV to rank-1
     # A middle rank combines the states it receives with its local results, one
     # (T/R x dk) @ (dk x dv) product per head each (2·(T/R)·B·H·dk·dv FLOPs), as
-    # gradshard.runtime.lasp runs them: forward q S; backward do S^T, v D^T and k D.
+    # gradshard.plans.lasp.runtime runs them: forward q S; backward do S^T, v D^T and k D.
     # (Per-step decay gradients add up to two more products; they are not counted.)
     one = sympy.Piecewise((2 * (T / R) * ctx.facts["linear_attention_state_elements"], R > 1), (0, True))
     out: dict[str, sympy.Expr] = {"flops_fwd": ctx.expressions["flops_fwd"] + one,

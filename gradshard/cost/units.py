@@ -8,12 +8,16 @@ say context lengths: ``"1k" == 1_000``, ``"64k" == 64_000``, ``"1M" == 1_000_000
 Byte sizes follow SI/IEC strictly: ``"80GB" == 80 * 10**9``, ``"80GiB" == 80 * 2**30``;
 ``"B"`` may be omitted (``"24G"``, ``"24Gi"``). A device name (``"h100"``) is not a size;
 use :func:`gradshard.cost.devices.get_device` for that.
+
+Formatting (``format_bytes`` and friends) is :mod:`gradshard.units`, re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+from gradshard.units import format_bytes, format_count, format_flops, format_seconds  # re-exported
 
 __all__ = ["parse_count", "parse_counts", "parse_bytes", "format_count", "format_bytes", "format_flops",
            "format_seconds"]
@@ -89,50 +93,3 @@ def parse_bytes(text: str | int | float) -> int:
             "(decimal, 10^9) or '80GiB' (binary, 2^30), e.g. '24GB', '512MiB', '1.5TB'"
         )
     return _to_int(float(m["num"].replace("_", "")) * _scale(m["unit"]), s, "byte size")
-
-
-def format_count(n: float) -> str:
-    """``65536 -> '65.5k'``, ``1_000_000 -> '1M'``, ``1024 -> '1.02k'`` (decimal, as people say it)."""
-    n = float(n)
-    for div, suffix in ((10**12, "T"), (10**9, "G"), (10**6, "M"), (10**3, "k")):
-        if abs(n) >= div:
-            v = n / div
-            return f"{v:.3g}{suffix}"
-    return f"{n:.0f}" if n == int(n) else f"{n:.3g}"
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, as the allocators report them: ``85899345920 -> '80.0 GiB'``."""
-    n = float(n)
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        n /= 1024.0
-        if abs(n) < 1024 or unit == "EiB":
-            return f"{n:.3g} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def format_flops(n: float) -> str:
-    """``2.4e12 -> '2.4 TFLOP'``."""
-    n = float(n)
-    for div, unit in ((1e18, "EFLOP"), (1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP"),
-                      (1e3, "kFLOP")):
-        if abs(n) >= div:
-            return f"{n / div:.3g} {unit}"
-    return f"{n:.0f} FLOP"
-
-
-def format_seconds(s: float) -> str:
-    """``0.0123 -> '12.3 ms'``, ``4000 -> '1.11 h'``."""
-    if s != s or s == math.inf:
-        return str(s)
-    if s < 1e-3:
-        return f"{s * 1e6:.3g} us"
-    if s < 1:
-        return f"{s * 1e3:.3g} ms"
-    if s < 120:
-        return f"{s:.3g} s"
-    if s < 7200:
-        return f"{s / 60:.3g} min"
-    return f"{s / 3600:.3g} h"

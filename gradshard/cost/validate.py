@@ -21,10 +21,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..errors import GradshardError
-from .build import cost
-from .probe import make_step
-from .report import CostReport
+from gradshard.errors import GradshardError
+from gradshard.cost.build import cost
+from gradshard.cost.probe import make_step
+from gradshard.cost.report import CostReport
 
 __all__ = ["ValidationRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
            "bisect_max_seq_len", "plan_applies"]
@@ -77,7 +77,7 @@ class ValidationRow:
 
 def _step_context(plan: str, options: Mapping[str, Any], seq_len: int) -> Any:
     if plan == "spaco":
-        from ..runtime.chunked import force_selection
+        from gradshard.plans.chunked.runtime import force_selection
 
         return force_selection(range(-(-seq_len // int(options["chunk_size"]))))
     return contextlib.nullcontext()
@@ -86,8 +86,8 @@ def _step_context(plan: str, options: Mapping[str, Any], seq_len: int) -> Any:
 def measure_step(factory: Factory, plan: str, options: Mapping[str, Any], seq_len: int, batch: int,
                  device: str | torch.device | None = None) -> Any:
     """Compile ``plan`` for the factory's model at ``(batch, seq_len)`` and measure one real step."""
-    from ..api import compile as gs_compile
-    from ..measure import measure
+    from gradshard.api import compile as gs_compile
+    from gradshard.measure import measure
 
     target, inputs = factory(seq_len=seq_len, batch=batch)
     if device is not None:
@@ -110,7 +110,7 @@ def _to_device(tree: Any, device: str | torch.device) -> Any:
 
 def plan_applies(factory: Factory, plan: str, options: Mapping[str, Any], seq_len: int = 32) -> str | None:
     """``None`` if ``plan`` compiles for the factory's model, else the reason it does not."""
-    from ..api import compile as gs_compile
+    from gradshard.api import compile as gs_compile
 
     target, inputs = factory(seq_len=seq_len)
     try:

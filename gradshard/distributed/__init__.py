@@ -4,9 +4,9 @@ All collectives take any ``torch.distributed`` ProcessGroup (gloo on CPU, nccl o
 wait with timeouts, so a dead peer raises :class:`CommTimeoutError` instead of hanging.
 """
 
-from .comm import CommCounter, CommError, CommTimeoutError, Communicator
-from .diloco import DiLoCo, PartialDiLoCo
-from .reduce import global_mean, global_token_count, reduce_gradients
+from gradshard.runtime.comm import CommCounter, CommError, CommTimeoutError, Communicator
+from gradshard.distributed.diloco import DiLoCo, PartialDiLoCo
+from gradshard.runtime.reduce import global_mean, global_token_count, reduce_gradients
 
 __all__ = ["Communicator", "CommCounter", "CommError", "CommTimeoutError", "DiLoCo", "PartialDiLoCo",
            "reduce_gradients", "global_mean", "global_token_count"]

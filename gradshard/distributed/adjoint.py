@@ -12,7 +12,7 @@ Unlike the paper's Algorithm 4 (which drops the cross-layer terms so every rank 
 at once), the cotangent each rank receives is the exact ``dL/dy`` of its block output, so the
 gradients equal single-process gradients; ranks work one after another within a step.
 Messages: one activation (B x T x P) per boundary and direction. Every wait has a timeout
-(:class:`~gradshard.distributed.comm.Communicator`); a dead peer is a ``CommTimeoutError``.
+(:class:`~gradshard.runtime.comm.Communicator`); a dead peer is a ``CommTimeoutError``.
 
 Launch with ``torchrun --nproc-per-node W examples/train_ssm.py --distributed`` (gloo on CPU,
 nccl on GPU), or use :func:`gradshard.distributed.testing.run_threaded` in tests.
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from .comm import Communicator
+from gradshard.runtime.comm import Communicator
 
 __all__ = ["split_layers", "PipelineStage", "TAG_SHAPE", "TAG_ACT", "TAG_GRAD"]
 

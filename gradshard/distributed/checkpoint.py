@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import GradshardError
+from gradshard.errors import GradshardError
 
 __all__ = [
     "CHECKPOINT_FORMAT",

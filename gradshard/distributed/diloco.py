@@ -33,7 +33,7 @@ Communication is not overlapped with computation (Streaming DiLoCo's ``tau_overl
 so its mixing factor ``alpha`` plays no role) and is not quantised.
 
 The module interface (:class:`SlicedParameters`) is three methods, which gradshard's
-``CompiledModule`` provides and which default to :mod:`gradshard.runtime.partial` for any
+``CompiledModule`` provides and which default to :mod:`gradshard.plans.partial_update.runtime` for any
 ``nn.Module`` (plain modules: every ``requires_grad`` parameter is trained in full):
 ``parameter_slices()``, ``full_parameters(names=None)`` and ``load_full_parameters(d)``.
 A ``gs.compile(model, plan="partial_update")`` module creates its slices at its first
@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import GradshardError
-from ..runtime import partial
-from .checkpoint import CheckpointError, Checksums, read_checkpoint, write_checkpoint
-from .comm import CommError, Communicator
+from gradshard.errors import GradshardError
+from gradshard.plans.partial_update import runtime as partial
+from gradshard.distributed.checkpoint import CheckpointError, Checksums, read_checkpoint, write_checkpoint
+from gradshard.runtime.comm import CommError, Communicator
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,7 @@ class SlicedParameters(Protocol):
 
 
 class _PartialView:
-    """:class:`SlicedParameters` for any ``nn.Module`` via :mod:`gradshard.runtime.partial`."""
+    """:class:`SlicedParameters` for any ``nn.Module`` via :mod:`gradshard.plans.partial_update.runtime`."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -225,8 +225,8 @@ def make_fragments(
 class _Comm:
     """Timed all-reduce over a ProcessGroup object, the default world (group None), or nothing.
 
-    Goes through :class:`gradshard.distributed.comm.Communicator`, so the bytes show up in a
-    :class:`~gradshard.distributed.comm.CommCounter` under labels ``diloco.*``.
+    Goes through :class:`gradshard.runtime.comm.Communicator`, so the bytes show up in a
+    :class:`~gradshard.runtime.comm.CommCounter` under labels ``diloco.*``.
     """
 
     def __init__(self, group: Any | None, timeout_s: float) -> None:

@@ -14,7 +14,7 @@ import torch
 
 import gradshard as gs
 from examples.models.ssm import LoopSSMLM, SelectiveSSMLM, SSMConfig
-from gradshard.runtime.adjoint_respecialize import RespecializeError, respecialize
+from gradshard.plans.adjoint.respecialize import RespecializeError, respecialize
 
 from .helpers import grads_of, rel_err
 
@@ -28,7 +28,7 @@ def test_captured_at_32_runs_at_1000(cls, monkeypatch):
     cm = gs.compile(model, plan="adjoint", shard_size=100)
     cm(torch.randint(0, 37, (2, 32)))
     captures = []
-    import gradshard.capture as capture_mod
+    import gradshard.api as capture_mod  # the capture the compiled module calls
 
     real_capture = capture_mod.capture
 
@@ -45,16 +45,22 @@ def test_captured_at_32_runs_at_1000(cls, monkeypatch):
     assert rel_err(out[0], ref_out[0]) <= 1e-10
     for name, r in ref_grads.items():
         assert rel_err(grads[name], r) <= 1e-10, name
+    # explain() and program describe the re-specialised program that ran, not the T=32 one
+    first = cm.specializations[0]
+    assert cm.program is not first.program and cm.graph is not first.gm
+    assert cm.passes[-1].name == "respecialize_length" and cm.passes[-1].after == cm.graph.code
+    assert "serving T=1000: the program compiled at T=32, re-specialised" in cm.explain()
     # a second new length reuses the verdict: no probe, no capture
     cm(torch.randint(0, 37, (2, 77)))
     assert captures == [33] and cm._last.extras.get("seq_len") == 77
+    assert "serving T=77" in cm.explain()
 
 
 def test_respecialize_refuses_inconsistent_shapes():
     """A graph whose baked sizes cannot follow T fails verification instead of running wrong."""
     import torch.fx as fx
 
-    from gradshard.runtime.adjoint_respecialize import DimFact
+    from gradshard.plans.adjoint.respecialize import DimFact
 
     g = fx.Graph()
     x = g.placeholder("x")

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradshard.runtime.adjoint_mamba import mamba_split_conv1d_scan_reference
+from gradshard.capture.twins_mamba import mamba_split_conv1d_scan_reference
 
 from .helpers import assert_same_grads
 from .standin import OpaqueKernel, standin_package

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from gradshard.runtime.adjoint_mamba import mamba_chunk_scan_reference
+from gradshard.capture.twins_mamba import mamba_chunk_scan_reference
 
 from .helpers import assert_same_grads
 from .standin import OpaqueKernel, standin_package
@@ -144,7 +144,7 @@ def test_torch_compile_backend_after_installing_the_twins(user_module):
     import copy
 
     import gradshard as gs
-    from gradshard.substitutions import install_traceable_twins
+    from gradshard.capture.substitutions import install_traceable_twins
 
     torch.manual_seed(3)
     model = user_module.Mamba2LM().double()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradshard.runtime.adjoint_mamba import patch_mamba_selective_scan, selective_scan_reference
+from gradshard.capture.twins_mamba import patch_mamba_selective_scan, selective_scan_reference
 
 from .helpers import assert_same_grads
 

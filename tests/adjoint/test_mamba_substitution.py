@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import gradshard as gs
-from gradshard.runtime.adjoint_mamba import selective_scan_reference
-from gradshard.substitutions import substitute_known_kernels
+from gradshard.capture.twins_mamba import selective_scan_reference
+from gradshard.capture.substitutions import substitute_known_kernels
 
 from .helpers import assert_same_grads
 from .standin import OpaqueKernel, standin_package

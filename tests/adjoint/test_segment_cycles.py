@@ -6,7 +6,7 @@ import operator
 
 import torch.fx as fx
 
-from gradshard.passes.recurrence_tail import _acyclic_once_collapsed
+from gradshard.plans.adjoint.tail import _acyclic_once_collapsed
 
 
 def _graph():

@@ -1,4 +1,4 @@
-"""plan="truncated_adjoint": the windowed adjoint of DESIGN.md, in O(T), equal to adjoint for W >= T.
+"""plan="truncated_adjoint": the windowed adjoint of docs/DESIGN.md, in O(T), equal to adjoint for W >= T.
 
 Reference semantics: every h_t recomputed from a detached h_{t-W} (from h0 itself, not
 detached, when t - W < 0); autograd through that reference gives the expected gradients.
@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradshard.runtime.truncated import TruncatedSweep, truncated_lambda
+from gradshard.plans.adjoint.truncated import TruncatedSweep, truncated_lambda
 
 from .helpers import assert_same_grads
 from .models import (DenseLoopSSM, DiagonalSSM, init_like_training, truncated_dense_reference,

@@ -83,7 +83,7 @@ def test_max_over_time_in_the_loss_is_rejected() -> None:
 
 def test_second_backward_and_bad_spaco_inputs_are_explained() -> None:
     from examples.factories import llama
-    from gradshard.runtime.chunked import force_selection
+    from gradshard.plans.chunked.runtime import force_selection
 
     model, (ids,) = llama(seq_len=9, batch=1)
     cm = gs.compile(model, plan="seco", chunk_size=4)

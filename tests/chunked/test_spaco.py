@@ -16,7 +16,7 @@ import torch
 import gradshard as gs
 from chunk_testing import grads, rel_err
 from examples.factories import hybrid, llama_loss
-from gradshard.runtime.chunked import force_selection
+from gradshard.plans.chunked.runtime import force_selection
 
 
 def _loss_setup(seq_len: int = 11, chunk: int = 2):

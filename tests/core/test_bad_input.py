@@ -54,8 +54,6 @@ def test_wrong_rank_is_a_capture_error_that_says_what_failed() -> None:
 def test_a_detector_bug_is_a_gradshard_error_naming_the_detector(monkeypatch: pytest.MonkeyPatch) -> None:
     from gradshard.passes import detect_regions as dr
 
-    dr._load_detectors()
-
     def broken(gm, ctx):
         raise KeyError("boom")
 

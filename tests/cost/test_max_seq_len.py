@@ -2,7 +2,6 @@
 
 import pytest
 
-import gradshard as gs
 from examples import factories as F
 from gradshard.cost import cost
 from gradshard.cost.validate import bisect_max_seq_len, measure_step
@@ -26,8 +25,6 @@ def test_max_seq_len_matches_bisection_plan_none(llama_report, budget_at):
 
 
 def test_max_seq_len_matches_bisection_chunked():
-    if "seco" not in gs.plans():
-        pytest.skip("plan 'seco' is not registered yet")
     target, inputs = F.ssm(seq_len=32)
     report = cost(target, "seco", example_inputs=inputs, chunk_size=8)
     budget = measure_step(F.ssm, "seco", {"chunk_size": 8}, 96, 2).peak_bytes + 100

@@ -79,7 +79,7 @@ def pause(where: str) -> None:
 
 def run_lasp(rank: int, opts: dict[str, str]) -> None:
     import gradshard as gs
-    from gradshard.runtime.lasp import local_slice
+    from gradshard.plans.lasp.runtime import local_slice
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lasp"))
     from lasp_models import tiny_lm

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from gradshard.distributed.diloco import DiLoCo, DiLoCoError, PartialDiLoCo, due_fragment, make_fragments
-from gradshard.distributed.comm import CommCounter
+from gradshard.runtime.comm import CommCounter
 from gradshard.distributed.testing import run_threaded
-from gradshard.runtime.partial import (
+from gradshard.plans.partial_update.runtime import (
     attention_layouts,
     full_parameters,
     mlp_in_layout,

@@ -45,8 +45,8 @@ START = 120.0  # deadline for a group to get to its fault point (forkserver star
 _PRELOAD = [  # what the ranks import, so that each fork starts warm (none of it starts threads)
     "torch", "torch.distributed", "sympy", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
     "gradshard", "gradshard.distributed.diloco",
-    "gradshard.passes.plan_adjoint", "gradshard.passes.plan_chunked", "gradshard.passes.plan_lasp",
-    "gradshard.passes.plan_partial", fault_worker.__name__,
+    "gradshard.plans.adjoint", "gradshard.plans.chunked", "gradshard.plans.lasp",
+    "gradshard.plans.partial_update", fault_worker.__name__,
 ]
 
 

@@ -18,15 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from gradshard.distributed.comm import CommCounter, CommTimeoutError, Communicator
-from gradshard.distributed.reduce import (
+from gradshard.runtime.comm import CommCounter, CommTimeoutError, Communicator
+from gradshard.runtime.reduce import (
     global_mean,
     global_token_count,
     reduce_gradients,
     sum_over_group,
 )
 from gradshard.distributed.testing import run_threaded
-from gradshard.runtime.lasp import (
+from gradshard.plans.lasp.runtime import (
     dkv_label,
     kv_label,
     lasp_attention,

@@ -32,7 +32,7 @@ else:
     import gradshard as gs
     from examples import factories
     from gradshard.distributed.testing import run_threaded
-    from gradshard.runtime.lasp import local_slice
+    from gradshard.plans.lasp.runtime import local_slice
 
     def _adjoint_grads(factory: str, backend: str, plan: str, **options):
         model, inputs = getattr(factories, factory)(dtype=torch.float64, seq_len=13, batch=2)

@@ -11,7 +11,7 @@ from torch import nn
 
 import gradshard as gs
 from gradshard.distributed.testing import run_threaded
-from gradshard.runtime.lasp import local_slice
+from gradshard.plans.lasp.runtime import local_slice
 
 
 @dataclass

@@ -16,9 +16,9 @@ from rich.console import Console
 
 import gradshard as gs
 from examples import factories
-from gradshard.distributed.comm import CommCounter
+from gradshard.runtime.comm import CommCounter
 from gradshard.distributed.testing import run_threaded
-from gradshard.runtime.lasp import dkv_label, kv_label, local_slice
+from gradshard.plans.lasp.runtime import dkv_label, kv_label, local_slice
 
 B, H, DK, DV = 3, 4, 8, 8  # the example factory: d_model 32, 4 heads
 

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 import gradshard as gs
 from examples import factories
-from gradshard.distributed.comm import CommTimeoutError
+from gradshard.runtime.comm import CommTimeoutError
 from gradshard.distributed.testing import run_threaded
 from gradshard.errors import GradshardError, UnsupportedGraphError
-from gradshard.runtime.lasp import local_slice
+from gradshard.plans.lasp.runtime import local_slice
 from lasp_models import VOCAB, tiny_lm
 
 TIMEOUT = 3.0

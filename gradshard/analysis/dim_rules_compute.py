@@ -1,0 +1,264 @@
+"""Dimension rules for compute ops: pointwise, matmuls and einsum, reductions, scans, losses.
+
+Registers into :data:`gradshard.analysis.dim_core.DIM_RULES` on import (done by
+:mod:`gradshard.analysis.dims`). Pointwise ops unify broadcast dims, matmuls unify and drop
+contracted dims (a merged ``B*T`` row dim keeps its factors), reductions drop or keep the
+reduced dims.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .dim_core import (DimsContext, Factors, Labels, NodeDims, broadcast_dims, merge_selected, norm_dim,
+                       pointwise_rule, register_dim_rule, shape_of)
+
+aten = torch.ops.aten
+
+__all__: list[str] = []  # rules only: everything here is reached through DIM_RULES
+
+# --------------------------------------------------------------------------- pointwise
+
+_SAME_SHAPE_OPS = [
+    aten.clone, aten.contiguous, aten.detach, aten.alias, aten._to_copy, aten.to, aten.type_as,
+    aten.dropout, aten.native_dropout, aten.masked_fill, aten.where, aten.fill, aten.zeros_like,
+    aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like,
+    aten.silu, aten.gelu, aten.relu, aten.softplus, aten.sigmoid, aten.tanh, aten.clamp,
+    aten.lift_fresh_copy, aten.copy, aten.expand, aten.expand_as, aten.broadcast_to,
+    aten.masked_fill_, aten.copy_, aten.dropout_, aten.feature_dropout, aten.hardtanh,
+    aten.leaky_relu, aten.elu, aten.mish, aten.logit, aten.nan_to_num, aten.pow, aten.lerp,
+    aten.addcmul, aten.addcdiv, aten.clamp_min, aten.clamp_max, aten.bitwise_not,
+    aten.logical_not, aten.logical_and, aten.logical_or, aten.eq, aten.ne, aten.lt, aten.le,
+    aten.gt, aten.ge, aten.minimum, aten.maximum, aten.log_sigmoid, aten.hardswish,
+    aten.hardsigmoid, aten.relu6, aten.softshrink, aten.hardshrink, aten.selu, aten.celu,
+    aten.square, aten.bernoulli,
+]
+register_dim_rule(*_SAME_SHAPE_OPS)(pointwise_rule)
+
+
+@register_dim_rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full)
+def _new_tensor_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    """``x.new_zeros(shape)`` reads only x's dtype/device: fresh labels, nothing inherited."""
+    return NodeDims(ctx.fresh_dims(shape_of(node) or ()))
+
+
+# --------------------------------------------------------------------------- contractions
+
+
+def _matmul_dims(a: Labels, b: Labels, sa: tuple[int, ...], sb: tuple[int, ...],
+                 out_shape: tuple[int, ...], ctx: DimsContext) -> Labels:
+    vec_a, vec_b = len(sa) == 1, len(sb) == 1  # torch.matmul drops a vector operand's dim
+    if vec_a:
+        a, sa = (frozenset(),) + a, (1,) + sa
+    if vec_b:
+        b, sb = b + (frozenset(),), sb + (1,)
+    batch_nd = max(len(sa), len(sb)) - 2
+    full_shape = tuple(out_shape[:batch_nd]) + (sa[-2], sb[-1])
+    out: list[set[int]] = [set() for _ in range(batch_nd)]
+    sides: list[list[frozenset[int]]] = [[] for _ in range(batch_nd)]
+    for labels, shp in ((a[:-2], sa[:-2]), (b[:-2], sb[:-2])):
+        off = batch_nd - len(shp)
+        for i, (ls, s) in enumerate(zip(labels, shp)):
+            if 0 <= i + off < batch_nd and s == full_shape[i + off] and s != 1:
+                out[i + off] |= ls
+                sides[i + off].append(ls)
+    for sd in sides:
+        ctx.unify([(ls, None) for ls in sd])
+    ctx.unify([(a[-1], None), (b[-2], None)])  # contracted dims are the same axis
+    res = [frozenset(s) for s in out] + ([] if vec_a else [a[-2]]) + ([] if vec_b else [b[-1]])
+    return tuple(res)
+
+
+def _carry_leading_factors(src: NodeDims | None, n_lead: int, last: frozenset[int], last_size: int):
+    """Factors of an ``x @ W`` output: x's leading dims keep theirs (a merged ``B*T`` row dim
+    stays splittable), the new last dim is one factor."""
+    if src is None or src.factors is None:
+        return None
+    return tuple(src.factors[:n_lead]) + (((last, last_size),) if last and last_size != 1 else (),)
+
+
+def _matmul_factors(a: Any, b: Any, out_shape: tuple[int, ...], dims: Labels,
+                    ctx: DimsContext) -> tuple[Factors, ...] | None:
+    """Factors of a matmul output: batch dims from the operand aligned with them (so a merged
+    ``B*T`` batch of a ``bmm`` stays splittable), rows from ``a``, columns from ``b``."""
+    sa, sb = shape_of(a) or (), shape_of(b) or ()
+    ad, bd = ctx.get(a), ctx.get(b)
+    if len(out_shape) < 2 or len(sa) < 2 or len(sb) < 2 or not ((ad and ad.factors) or (bd and bd.factors)):
+        return None
+
+    def own(d: NodeDims | None, shp: tuple[int, ...], i: int) -> Factors | None:
+        """Factors of dim ``i`` of an operand (a plain dim is its own single factor)."""
+        if d is None or not (0 <= i < len(shp)) or shp[i] == 1:
+            return None
+        if d.factors is not None and i < len(d.factors) and d.factors[i]:
+            return d.factors[i]
+        return ((d.dims[i], shp[i]),) if d.dims[i] else None
+
+    out: list[Factors] = []
+    nb = len(out_shape) - 2
+    for i in range(nb):
+        fs: Factors | None = None
+        for d, shp in ((ad, sa), (bd, sb)):
+            j = i - (nb - (len(shp) - 2))
+            if fs is None and 0 <= j < len(shp) - 2 and shp[j] == out_shape[i]:
+                fs = own(d, shp, j)
+        out.append(fs or (((dims[i], out_shape[i]),) if dims[i] and out_shape[i] != 1 else ()))
+    row = own(ad, sa, len(sa) - 2)
+    out.append(row or (((dims[-2], out_shape[-2]),) if dims[-2] and out_shape[-2] != 1 else ()))
+    out.append(((dims[-1], out_shape[-1]),) if dims[-1] and out_shape[-1] != 1 else ())
+    return tuple(out)
+
+
+@register_dim_rule(aten.matmul, aten.bmm, aten.mm)
+def _matmul_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    a, b = node.args[0], node.args[1]
+    out_shape = shape_of(node) or ()
+    dims = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), out_shape, ctx)
+    return NodeDims(dims, merge_selected(node, ctx), factors=_matmul_factors(a, b, out_shape, dims, ctx))
+
+
+@register_dim_rule(aten.baddbmm, aten.addmm, aten.addbmm)
+def _addmm_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    bias, a, b = node.args[0], node.args[1], node.args[2]
+    mm = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), shape_of(node) or (), ctx)
+    bd = broadcast_dims(node, ctx, [bias])
+    dims = tuple(x | y for x, y in zip(mm, bd.dims))
+    ad = ctx.get(a)
+    factors = None
+    if ad is not None and ad.factors is not None and len(shape_of(a) or ()) == 2 and len(dims) == 2:
+        factors = (ad.factors[0], ((dims[1], (shape_of(node) or (0, 0))[1]),) if dims[1] else ())
+    return NodeDims(dims, merge_selected(node, ctx), factors=factors)
+
+
+@register_dim_rule(aten.linear)
+def _linear_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    x, w = node.args[0], node.args[1]
+    xd = ctx.dims(x)
+    wd = ctx.dims(w)
+    if len(wd) == 2:
+        ctx.unify([(xd[-1], None), (wd[1], None)])
+        return NodeDims(tuple(xd[:-1]) + (wd[0],), merge_selected(node, ctx),
+                        factors=_carry_leading_factors(ctx.get(x), len(xd) - 1, wd[0], (shape_of(node) or (1,))[-1]))
+    return NodeDims(tuple(xd[:-1]) + (frozenset(),), merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.einsum)
+def _einsum_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    eq, operands = node.args[0], node.args[1]
+    lhs, _, rhs = eq.replace(" ", "").partition("->")
+    in_specs = lhs.split(",")
+    letter: dict[str, set[int]] = {}
+    letter_sides: dict[str, list[frozenset[int]]] = {}
+    for spec, op in zip(in_specs, operands):
+        dims = ctx.dims(op)
+        shp = shape_of(op) or ()
+        if "..." in spec:
+            pre, post = spec.split("...")
+            n_ell = len(shp) - len(pre) - len(post)
+            names = list(pre) + [f"_e{i}" for i in range(n_ell)] + list(post)
+        else:
+            names = list(spec)
+        for nm, ls, s in zip(names, dims, shp):
+            if s != 1:
+                letter.setdefault(nm, set()).update(ls)
+                letter_sides.setdefault(nm, []).append(ls)
+    for sd in letter_sides.values():
+        ctx.unify([(ls, None) for ls in sd])
+    out_shape = shape_of(node) or ()
+    if not rhs:
+        rhs = "".join(sorted(c for c in letter if len(c) == 1 and sum(sp.count(c) for sp in in_specs) == 1))
+    if "..." in rhs:
+        pre, post = rhs.split("...")
+        n_ell = len(out_shape) - len(pre) - len(post)
+        names = list(pre) + [f"_e{i}" for i in range(n_ell)] + list(post)
+    else:
+        names = list(rhs)
+    return NodeDims(tuple(frozenset(letter.get(n, set())) for n in names), merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.conv1d, aten.conv2d, aten.convolution, aten._convolution)
+def _conv_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    x, w = node.args[0], node.args[1]
+    xd, wd = ctx.dims(x), ctx.dims(w)
+    out = (xd[0], wd[0] if wd else frozenset()) + tuple(xd[2:])
+    return NodeDims(out, merge_selected(node, ctx))
+
+
+# --------------------------------------------------------------------------- reductions & scans
+
+
+def _reduce_dims(node: fx.Node) -> tuple[list[int] | None, bool]:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if isinstance(dims, int):
+        dims = [dims]
+    return (list(dims) if dims is not None else None), bool(keep)
+
+
+@register_dim_rule(aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.prod,
+                   aten.var, aten.std, aten.norm, aten.linalg_vector_norm, aten.logsumexp,
+                   aten.any, aten.all, aten.argmax, aten.argmin, aten.var_mean, aten.std_mean)
+def _reduce_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | None, ...]:
+    if len(node.args) > 1 and isinstance(node.args[1], fx.Node):  # max.other / min.other: elementwise
+        return pointwise_rule(node, ctx)
+    src = node.args[0]
+    dims = ctx.dims(src)
+    rd, keep = _reduce_dims(node)
+    if node.target in (aten.norm.ScalarOpt_dim, aten.linalg_vector_norm.default):
+        rd = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        rd = [rd] if isinstance(rd, int) else (list(rd) if rd is not None else None)
+        keep = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False))
+    red = set(range(len(dims))) if not rd else {norm_dim(d, len(dims)) for d in rd}
+    out = tuple((frozenset() if i in red else ls) for i, ls in enumerate(dims) if keep or i not in red)
+    nd = NodeDims(out, merge_selected(node, ctx))
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return tuple(nd for _ in node.meta["val"])
+    return nd
+
+
+@register_dim_rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum,
+                   aten.cumprod, aten.logcumsumexp, aten.cummax, aten.cummin, aten.layer_norm,
+                   aten.rms_norm, aten.group_norm, aten.native_layer_norm, aten.tril, aten.triu,
+                   aten.native_group_norm)
+def _keep_rank_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | None, ...]:
+    nd = NodeDims(ctx.dims(node.args[0]), merge_selected(node, ctx))
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return (nd,) + tuple(None for _ in node.meta["val"][1:])
+    return nd
+
+
+@register_dim_rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu)
+def _sdpa_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | None, ...]:
+    q, k, v = node.args[:3]
+    qd, kd, vd = ctx.dims(q), ctx.dims(k), ctx.dims(v)
+    ctx.unify([(kd[-2], None), (vd[-2], None)])
+    nd = NodeDims(tuple(qd[:-1]) + (vd[-1],), merge_selected(node, ctx))
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return (nd,) + tuple(None for _ in node.meta["val"][1:])
+    return nd
+
+
+@register_dim_rule(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.mse_loss,
+                   aten.l1_loss, aten.binary_cross_entropy_with_logits, aten.smooth_l1_loss)
+def _loss_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    logits, target = node.args[0], node.args[1]
+    ld, td = ctx.dims(logits), ctx.dims(target)
+    if node.target in (aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default):
+        # (N, C, d1..) vs (N, d1..): align class-less positions
+        if len(ld) == len(td) + 1:
+            for i, ls in enumerate(td):
+                j = i if i == 0 else i + 1
+                if len(ld) == 2:
+                    j = 0
+                ctx.unify([(ls, ctx.factors(target, i)), (ld[j], ctx.factors(logits, j))])
+    else:
+        broadcast_dims(node, ctx, [logits, target])
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    out_shape = shape_of(node) or ()
+    if reduction == 0 and out_shape:
+        return NodeDims(tuple(td[: len(out_shape)]), merge_selected(node, ctx))
+    return NodeDims((), merge_selected(node, ctx))
+

@@ -1,0 +1,278 @@
+"""Dimension rules for layout ops: views, transposes, repeats, indexing, cat/stack/split.
+
+Registers into :data:`gradshard.analysis.dim_core.DIM_RULES` on import (done by
+:mod:`gradshard.analysis.dims`). Views split and merge dims by matching size products (a
+merged dim remembers its factors); ``select`` remembers the label it removed so a
+``stack``/``cat`` of per-step pieces gives the new dim that label again.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .dim_core import (DimsContext, Factors, Labels, NodeDims, merge_selected, norm_dim, register_dim_rule,
+                       shape_of)
+
+aten = torch.ops.aten
+
+__all__ = ["reshape_labels"]
+
+# --------------------------------------------------------------------------- views
+
+
+def reshape_labels(in_shape: tuple[int, ...], out_shape: tuple[int, ...], labels: Labels,
+                   factors: tuple[Factors, ...] | None = None) -> tuple[Labels, tuple[Factors, ...]]:
+    """Map labels through a reshape by grouping dims whose size products agree.
+
+    A merged dim remembers its factors, so ``(B, T) -> (B*T,) -> (B, T)`` gives time back
+    to the second dim only; a split whose boundaries do not fall on factors gives every
+    resulting dim the union of the group's labels.
+    """
+    if factors is None:
+        factors = tuple(((ls, s),) if s != 1 else () for ls, s in zip(labels, in_shape))
+    out: list[frozenset[int]] = [frozenset() for _ in out_shape]
+    out_f: list[Factors] = [() for _ in out_shape]
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(in_shape):
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            elif j < len(out_shape):
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        flat = [f for k in gi for f in factors[k]]
+        assigned = _assign_factors(flat, [out_shape[k] for k in gj])
+        if assigned is None:
+            group = frozenset().union(*(labels[k] for k in gi if in_shape[k] != 1))
+            for k in gj:
+                if out_shape[k] != 1:
+                    out[k], out_f[k] = group, ((group, out_shape[k]),)
+        else:
+            for k, fs in zip(gj, assigned):
+                out[k] = frozenset().union(*(ls for ls, _ in fs)) if fs else frozenset()
+                out_f[k] = fs
+    return tuple(out), tuple(out_f)
+
+
+def _assign_factors(flat: list[tuple[frozenset[int], int]], sizes: list[int]) -> list[Factors] | None:
+    """Split a factor list into consecutive runs whose products are ``sizes`` (or None)."""
+    res: list[Factors] = []
+    f = 0
+    for size in sizes:
+        run: list[tuple[frozenset[int], int]] = []
+        prod = 1
+        while prod < size and f < len(flat):
+            run.append(flat[f])
+            prod *= flat[f][1]
+            f += 1
+        if prod != size:
+            return None
+        res.append(tuple(run))
+    return res if f == len(flat) else None
+
+
+@register_dim_rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+                   aten.squeeze, aten.unsqueeze, aten.view_as, aten.reshape_as)
+def _reshape_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    src = node.args[0]
+    in_shape, out_shape = shape_of(src) or (), shape_of(node) or ()
+    d = ctx.get(src)
+    labels = d.dims if d else ctx.fresh_dims(in_shape)
+    dims, factors = reshape_labels(in_shape, out_shape, labels, d.factors if d else None)
+    return NodeDims(dims, d.selected if d else frozenset(), factors=factors)
+
+
+@register_dim_rule(aten.transpose, aten.swapaxes, aten.swapdims)
+def _transpose_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    d = ctx.get(node.args[0])
+    dims = list(d.dims if d else ctx.fresh_dims(shape_of(node.args[0]) or ()))
+    a, b = norm_dim(node.args[1], len(dims)), norm_dim(node.args[2], len(dims))
+    dims[a], dims[b] = dims[b], dims[a]
+    factors = list(d.factors) if d is not None and d.factors is not None else None
+    if factors is not None:
+        factors[a], factors[b] = factors[b], factors[a]
+    return NodeDims(tuple(dims), d.selected if d else frozenset(), factors=tuple(factors) if factors else None)
+
+
+@register_dim_rule(aten.t)
+def _t_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    dims = ctx.dims(node.args[0])
+    return NodeDims(tuple(reversed(dims)), merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.permute)
+def _permute_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    d = ctx.get(node.args[0])
+    dims = ctx.dims(node.args[0])
+    perm = [norm_dim(p, len(dims)) for p in node.args[1]]
+    factors = tuple(d.factors[p] for p in perm) if d is not None and d.factors is not None else None
+    return NodeDims(tuple(dims[p] for p in perm), merge_selected(node, ctx), factors=factors)
+
+
+@register_dim_rule(aten.movedim)
+def _movedim_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    dims = list(ctx.dims(node.args[0]))
+    src, dst = node.args[1], node.args[2]
+    src = [src] if isinstance(src, int) else list(src)
+    dst = [dst] if isinstance(dst, int) else list(dst)
+    nd = len(dims)
+    src = [norm_dim(s, nd) for s in src]
+    dst = [norm_dim(s, nd) for s in dst]
+    order = [i for i in range(nd) if i not in src]
+    out: list[Any] = [None] * nd
+    for s, t in zip(src, dst):
+        out[t] = dims[s]
+    it = iter(order)
+    for i in range(nd):
+        if out[i] is None:
+            out[i] = dims[next(it)]
+    return NodeDims(tuple(out), merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.repeat)
+def _repeat_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    dims = ctx.dims(node.args[0])
+    reps = list(node.args[1])
+    pad = len(reps) - len(dims)
+    full = (frozenset(),) * pad + tuple(dims)
+    out = tuple(ls if r == 1 else frozenset() for ls, r in zip(full, reps))
+    return NodeDims(out, merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.repeat_interleave)
+def _repeat_interleave_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or shape_of(src) is None:
+        return NodeDims(ctx.fresh_dims(shape_of(node) or ()))
+    dims = list(ctx.dims(src))
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    if dim is None:
+        return NodeDims(ctx.fresh_dims(shape_of(node) or ()))
+    dims[norm_dim(dim, len(dims))] = frozenset()  # heads repeated: a new (non-time) axis
+    return NodeDims(tuple(dims), merge_selected(node, ctx))
+
+
+# --------------------------------------------------------------------------- indexing
+
+
+@register_dim_rule(aten.select)
+def _select_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    d = ctx.get(node.args[0])
+    dims = list(d.dims if d else ctx.fresh_dims(shape_of(node.args[0]) or ()))
+    dim = norm_dim(node.args[1], len(dims))
+    removed = dims.pop(dim)
+    sel = (d.selected if d else frozenset()) | removed
+    return NodeDims(tuple(dims), sel, index=int(node.args[2]))
+
+
+@register_dim_rule(aten.slice, aten.narrow, aten.index_select, aten.constant_pad_nd, aten.pad,
+                   aten.roll, aten.flip, aten.gather, aten.scatter, aten.index_add, aten.index_copy)
+def _same_rank_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    """Rank-preserving indexing: each output dim keeps its input labels (sizes may change)."""
+    return NodeDims(ctx.dims(node.args[0]), merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.index)
+def _index_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    src, idx = node.args[0], node.args[1]
+    dims = list(ctx.dims(src))
+    out_shape = shape_of(node) or ()
+    idx_nodes = [i for i in idx if i is not None]
+    if len(idx_nodes) == 1 and all(i is None for i in idx[: idx.index(idx_nodes[0])]):
+        k = idx.index(idx_nodes[0])
+        idx_dims = ctx.dims(idx_nodes[0]) if isinstance(idx_nodes[0], fx.Node) else ()
+        out = tuple(dims[:k]) + tuple(idx_dims) + tuple(dims[k + 1 :])
+        if len(out) == len(out_shape):
+            return NodeDims(out, merge_selected(node, ctx))
+    return NodeDims(ctx.fresh_dims(out_shape))
+
+
+@register_dim_rule(aten.embedding)
+def _embedding_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    weight, idx = node.args[0], node.args[1]
+    return NodeDims(tuple(ctx.dims(idx)) + (ctx.dims(weight)[-1],), merge_selected(node, ctx))
+
+
+@register_dim_rule(aten.cat, aten.concat, aten.concatenate)
+def _cat_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    pieces = [p for p in node.args[0] if isinstance(p, fx.Node)]
+    out_shape = shape_of(node) or ()
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(out_shape))
+    acc: list[set[int]] = [set() for _ in out_shape]
+    along: set[int] = set()
+    sides: list[list[frozenset[int]]] = [[] for _ in out_shape]
+    for p in pieces:
+        pd = ctx.get(p)
+        shp = shape_of(p) or ()
+        if pd is None or len(shp) != len(out_shape):
+            continue
+        for i, ls in enumerate(pd.dims):
+            if i == dim:
+                along |= ls
+                if shp[i] == 1:  # unsqueezed loop step: the new axis is the selected one
+                    along |= pd.selected
+            elif shp[i] == out_shape[i] and shp[i] != 1:
+                acc[i] |= ls
+                sides[i].append(ls)
+    acc[dim] |= along
+    for sd in sides:
+        ctx.unify([(ls, None) for ls in sd])
+    return NodeDims(tuple(frozenset(s) for s in acc), frozenset())
+
+
+@register_dim_rule(aten.stack)
+def _stack_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    pieces = [p for p in node.args[0] if isinstance(p, fx.Node)]
+    out_shape = shape_of(node) or ()
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(out_shape))
+    nd = len(out_shape) - 1
+    acc: list[set[int]] = [set() for _ in range(nd)]
+    new_axis: set[int] = set()
+    sides: list[list[frozenset[int]]] = [[] for _ in range(nd)]
+    for p in pieces:
+        pd = ctx.get(p)
+        if pd is None:
+            continue
+        new_axis |= pd.selected
+        for i, ls in enumerate(pd.dims[:nd]):
+            acc[i] |= ls
+            sides[i].append(ls)
+    for sd in sides:
+        ctx.unify([(ls, None) for ls in sd])
+    ctx.union(new_axis)
+    dims = [frozenset(s) for s in acc]
+    dims.insert(dim, frozenset(new_axis) if len(pieces) > 1 else frozenset())
+    return NodeDims(tuple(dims), frozenset())
+
+
+@register_dim_rule(aten.unbind, aten.split, aten.split_with_sizes, aten.chunk, aten.tensor_split)
+def _split_rule(node: fx.Node, ctx: DimsContext) -> tuple[NodeDims | None, ...]:
+    d = ctx.get(node.args[0])
+    vals = node.meta.get("val") or ()
+    dims = d.dims if d else ()
+    if node.target is aten.unbind.int:
+        dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(dims))
+        rest = tuple(x for i, x in enumerate(dims) if i != dim)
+        return tuple(NodeDims(rest, (d.selected if d else frozenset()) | dims[dim], index=i) for i in range(len(vals)))
+    return tuple(NodeDims(dims, d.selected if d else frozenset()) for _ in vals)
+
+
+@register_dim_rule(operator.getitem)
+def _getitem_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | None:
+    src = ctx.a.nodes.get(node.args[0].name) if isinstance(node.args[0], fx.Node) else None
+    if isinstance(src, tuple) and isinstance(node.args[1], int) and node.args[1] < len(src):
+        return src[node.args[1]]
+    return None
+

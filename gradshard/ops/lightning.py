@@ -1,0 +1,90 @@
+"""``gradshard::lightning_attention``: causal linear attention with decay as one custom op, with its rules.
+
+``q, k``: (B, H, T, dk); ``v``: (B, H, T, dv); ``decay``: None, (H,) constant per head, or
+(B, H, T) per-step gates; ``initial_state``: (B, H, dk, dv) or None::
+
+    kv_t = decay_t * kv_{t-1} + k_t^T v_t,   o_t = q_t kv_t,   kv_0 = initial_state (or 0)
+
+Returns ``(o, final_state)``: ``o`` (B, H, T, dv) in the promoted input dtype and ``kv_T``
+(B, H, dk, dv) in the accumulation dtype (float32 for half inputs, float64 for float64), the
+state a LASP rank sends to the next one. Gradients flow to q, k, v, decay (either form),
+initial_state, and from ``final_state`` when it is used downstream (LASP backward receives
+dS from the next rank and returns d(initial_state)). The algorithm never divides by nor takes
+logs of decays, so gates near 0 (or exactly 0) are handled exactly; the documented range is (0, 1].
+``chunk_size`` sets the block length (results do not depend on it beyond rounding).
+
+Tracing records one ``torch.ops.gradshard.lightning_attention.default`` node (its backward is
+``torch.ops.gradshard.lightning_attention_backward``, itself not differentiable again).
+
+Registered with the op: fakes, the VJP (the backward op), and the time rule (reads all of
+the past along dim 2). Kernels: :mod:`gradshard.kernels.lightning`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from gradshard.analysis import locality
+from gradshard.kernels.lightning import lightning_dtypes, run_lightning_backward, run_lightning_forward
+
+__all__ = ["LIGHTNING"]
+
+LIGHTNING = "gradshard::lightning_attention"
+
+
+@torch.library.custom_op(LIGHTNING, mutates_args=())
+def _lightning_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], initial_state: Optional[Tensor],
+                  chunk_size: int, backend: Optional[str]) -> tuple[Tensor, Tensor]:
+    """Dispatcher-level op; see the module docstring."""
+    return run_lightning_forward(q, k, v, decay, initial_state, chunk_size, backend)
+
+
+@_lightning_op.register_fake
+def _lightning_fake(q, k, v, decay, initial_state, chunk_size, backend):
+    out_dtype, acc = lightning_dtypes(q, k, v)
+    b, h, length, dk = q.shape
+    return q.new_empty((b, h, length, v.shape[-1]), dtype=out_dtype), q.new_empty((b, h, dk, v.shape[-1]), dtype=acc)
+
+
+@torch.library.custom_op("gradshard::lightning_attention_backward", mutates_args=())
+def _lightning_bwd_op(q: Tensor, k: Tensor, v: Tensor, decay: Optional[Tensor], initial_state: Optional[Tensor],
+                      grad_o: Tensor, grad_state: Optional[Tensor], chunk_size: int,
+                      backend: Optional[str]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv, d_decay (decay's shape; empty when decay is None), d_initial_state)."""
+    return run_lightning_backward(q, k, v, decay, initial_state, grad_o, grad_state, chunk_size, backend)
+
+
+@_lightning_bwd_op.register_fake
+def _lightning_bwd_fake(q, k, v, decay, initial_state, grad_o, grad_state, chunk_size, backend):
+    _, acc = lightning_dtypes(q, k, v)
+    d_decay = q.new_empty((0,)) if decay is None else decay.new_empty(decay.shape)
+    s_dtype = initial_state.dtype if initial_state is not None else acc
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_decay,
+            q.new_empty((*q.shape[:2], q.shape[-1], v.shape[-1]), dtype=s_dtype))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, decay, initial_state, chunk_size, backend = inputs
+    ctx.chunk_size, ctx.backend = chunk_size, backend
+    ctx.save_for_backward(q, k, v, decay, initial_state)
+
+
+def _backward(ctx, grad_o: Optional[Tensor], grad_state: Optional[Tensor]):
+    q, k, v, decay, initial_state = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=v.dtype, device=q.device)
+    dq, dk, dv, dd, ds0 = torch.ops.gradshard.lightning_attention_backward(
+        q, k, v, decay, initial_state, grad_o, grad_state, ctx.chunk_size, ctx.backend
+    )
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            dd if decay is not None and need[3] else None,
+            ds0 if initial_state is not None and need[4] else None, None, None)
+
+
+_lightning_op.register_autograd(_backward, setup_context=_setup_context)
+
+locality.register_time_op(LIGHTNING, time_dim=2, reach=locality.ALL_PAST)

@@ -1,0 +1,59 @@
+"""Register ``plan="adjoint"`` and ``plan="truncated_adjoint"`` (adjoint sharding, Xu et al.).
+
+Both plans share one pipeline; the options decide the backward (exact adjoint, or the
+windowed adjoint with ``window``). This folder holds the plan's own passes (``rewrite``,
+``region``, ``remat``, ``tail``) and the runtime modules they emit (``runtime``, ``local``,
+``generic``, ``scan``, ``truncated``, ``respecialize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradshard.passes.annotate_time import annotate_time_locality
+from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
+from gradshard.passes.detect_regions import detect_regions
+from gradshard.passes.roll_loops import roll_loops
+from gradshard.passes.simplify_masks import simplify_attention_masks
+from gradshard.plans.adjoint.rewrite import rewrite_adjoint
+from gradshard.plans.registry import register_plan
+
+PASSES = (
+    # 0. before any analysis: attention layers of a hybrid keep plain autograd, so a traced
+    #    (T, T) mask that eager would not build is folded back into is_causal first.
+    simplify_attention_masks,
+    # 1. time axis and per-node reach: everything below reads ctx.analyses["time"].
+    annotate_time_locality,
+    # 2. roll unrolled per-timestep loops into one scan each; must precede detection (the
+    #    detectors see scans, not T copies of a step) and recomputes the time analysis.
+    roll_loops,
+    # 3. rewrite vectorised scans (log-space cumsum, associative_scan trees, cumsum) as one
+    #    scan-op node each and recompute the time analysis; after rolling (loops become scan
+    #    ops too), before detection (which then sees one node per recurrence).
+    canonicalize_recurrences,
+    # 4. report regions (recurrences, and anything else that reads far along time); pure.
+    detect_regions,
+    # 5. cut each recurrence's producers/scan/readout into one AdjointRegion module; needs
+    #    the regions of step 4 (it replaces them with the per-layer regions it installs).
+    rewrite_adjoint,
+)
+
+
+@register_plan(
+    "adjoint", passes=PASSES, gradient="exact",
+    doc="Adjoint sharding: per layer, store the layer input and state checkpoints; the backward "
+        "runs the adjoint reverse scan and independent VJP shards over time.")
+@dataclass(frozen=True)
+class AdjointOptions:
+    shard_size: int = 256
+
+
+@register_plan(
+    "truncated_adjoint", passes=PASSES,
+    gradient="exact for window >= T; windowed (each loss term reaches the last `window` transitions) otherwise",
+    doc="Truncated adjoint sharding: like adjoint, with the adjoint state truncated to `window` "
+        "steps (computed blockwise in O(T)).")
+@dataclass(frozen=True)
+class TruncatedAdjointOptions:
+    window: int
+    shard_size: int = 256

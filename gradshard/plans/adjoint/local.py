@@ -1,0 +1,168 @@
+"""Time-local segments run shard by shard and recomputed in the backward (adjoint plans).
+
+The adjoint plans keep, per recurrence layer, only the layer input and state checkpoints.
+What follows the last recurrence -- typically the final norm and the LM head -- is plain
+autograd otherwise, and autograd keeps every intermediate it needs for its backward: for an
+RMSNorm + linear head that is the head input, the normalised input, its scaled copy and
+the inverse RMS (three to four copies of the residual stream). Such a segment is pointwise
+in time, so the backward can recompute it one shard at a time from its inputs.
+
+:class:`LocalSegment` (installed by ``rewrite_adjoint``, see
+:mod:`gradshard.plans.adjoint.tail`) runs a captured subgraph ``inputs -> outputs``:
+
+* forward, without autograd, shard by shard (outputs written into full-length tensors);
+  saves the inputs only (parameters and the time-carrying inputs);
+* backward, per shard: recompute the subgraph on the shard's inputs with autograd, apply
+  the VJP of the incoming output gradients, write the input gradients into the shard's
+  rows and accumulate the parameter gradients. Exact: the same ops on the same rows.
+
+Every time-carrying input and output has one time dim of full length (the segment has no
+halo: each op reads step ``t`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from gradshard.ir import Stage
+
+from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
+
+__all__ = ["LocalSegment", "LocalSegmentFunction"]
+
+
+def _as_list(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class LocalSegment(nn.Module):
+    """A time-local subgraph run in shards; backward recomputes it shard by shard.
+
+    ``graph``: the subgraph (placeholders = inputs, output = tuple of outputs);
+    ``input_time_dims`` / ``output_time_dims``: the time dim of each (``None``: no time dim,
+    inputs only); ``facts``: time facts by node name, to re-specialise ``graph`` to a shard.
+    """
+
+    def __init__(self, name: str, graph: fx.GraphModule, facts: Mapping[str, tuple[Optional[DimFact], ...]],
+                 input_time_dims: Sequence[Optional[int]], output_time_dims: Sequence[int], *, captured_len: int,
+                 shard_size: int, describe: str = "", costs: Optional[Mapping[str, int]] = None) -> None:
+        super().__init__()
+        self.region_name = name
+        self.graph_module = graph
+        self.facts = dict(facts)
+        self.input_time_dims = tuple(input_time_dims)
+        self.output_time_dims = tuple(output_time_dims)
+        self.captured_len = int(captured_len)
+        self.shard_size = int(shard_size)
+        self.describe = describe
+        self.costs = dict(costs or {})
+        self._cache: dict[int, fx.GraphModule] = {}
+
+    def graph_for(self, length: int) -> fx.GraphModule:
+        """The subgraph re-specialised to ``length`` steps (cached)."""
+        if length == self.captured_len:
+            return self.graph_module
+        g = self._cache.get(length)
+        if g is None:
+            g = respecialize(self.graph_module, self.facts, self.captured_len, length)
+            self._cache[length] = g
+        return g
+
+    def seq_len(self, inputs: Sequence[Tensor]) -> int:
+        return time_length(inputs, self.input_time_dims, f"{self.region_name}: no segment input")
+
+    def shards(self, T: int) -> list[tuple[int, int]]:
+        return shard_bounds(T, self.shard_size)
+
+    def window(self, inputs: Sequence[Any], s: int, e: int) -> list[Any]:
+        """Rows ``[s, e)`` of the time-carrying inputs (contiguous: the graph's views expect it)."""
+        return [x.narrow(d, s, e - s).contiguous() if d is not None else x for x, d in zip(inputs, self.input_time_dims)]
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        return LocalSegmentFunction.apply(self, *inputs)
+
+    def stages(self) -> list[Stage]:
+        """Forward in shards (saving the inputs), then per shard in reverse: recompute + VJP."""
+        T = self.captured_len
+        c = self.costs
+        n = self.region_name
+        shards = self.shards(T)
+        per_step = lambda key: c.get(key, 0) / max(T, 1)  # noqa: E731
+        out = [Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
+                     memory_bytes=int(c.get("saved_bytes", 0)), flops=int(c.get("fwd_flops", 0)), kernel="torch",
+                     note=f"{len(shards)} shard(s) of {self.shard_size}; saves its inputs only "
+                          f"(autograd would keep {c.get('autograd_saved_bytes', 0):,} B)")]
+        for k in range(len(shards) - 1, -1, -1):
+            s, e = shards[k]
+            # the last backward stage names the forward stage: Program.estimated_peak_bytes frees it there
+            out.append(Stage(name=f"{n}:shard{k}:vjp_shard", kind="vjp_shard", phase="backward", region=n,
+                             memory_bytes=int(per_step("work_bytes") * (e - s)),
+                             flops=int((per_step("fwd_flops") + per_step("bwd_flops")) * (e - s)), kernel="torch",
+                             note=f"{n}:forward" if k == 0 else f"recompute steps [{s}, {e}) and apply the VJP"))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.region_name}: {self.describe}, shard_size={self.shard_size}"
+
+
+class LocalSegmentFunction(torch.autograd.Function):
+    """Sharded forward saving the inputs; backward recomputes each shard and applies its VJP."""
+
+    @staticmethod
+    def forward(ctx: Any, seg: LocalSegment, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        T = seg.seq_len(inputs)
+        outputs: list[Optional[Tensor]] = [None] * len(seg.output_time_dims)
+        with torch.no_grad():
+            for s, e in seg.shards(T):
+                ys = _as_list(seg.graph_for(e - s)(*seg.window(inputs, s, e)))
+                for i, (y, td) in enumerate(zip(ys, seg.output_time_dims)):
+                    if outputs[i] is None:
+                        shape = list(y.shape)
+                        shape[td] = T
+                        outputs[i] = y.new_empty(shape)
+                    outputs[i].narrow(td, s, e - s).copy_(y)
+        ctx.seg = seg
+        ctx.T = T
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
+        return tuple(outputs)  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        seg: LocalSegment = ctx.seg
+        inputs = list(ctx.saved_tensors)
+        needs = ctx.needs_input_grad[1:]
+        grads_in: list[Optional[Tensor]] = [None] * len(inputs)
+        if not any(g is not None for g in grads):
+            return (None, *grads_in)
+        static = [None if d is not None else (x.detach().requires_grad_(bool(need)) if x.dtype.is_floating_point else x)
+                  for x, d, need in zip(inputs, seg.input_time_dims, needs)]
+        shards = seg.shards(ctx.T)
+        for k in range(len(shards) - 1, -1, -1):
+            s, e = shards[k]
+            leaves: list[Any] = []
+            for i, (x, d) in enumerate(zip(inputs, seg.input_time_dims)):
+                if d is None:
+                    leaves.append(static[i])
+                else:
+                    w = x.narrow(d, s, e - s).detach().contiguous()
+                    leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
+            with torch.enable_grad():
+                ys = _as_list(seg.graph_for(e - s)(*leaves))
+            pairs = [(y, g.narrow(td, s, e - s)) for y, g, td in zip(ys, grads, seg.output_time_dims)
+                     if g is not None and isinstance(y, Tensor) and y.requires_grad]
+            targets = [i for i, t in enumerate(leaves) if needs[i] and isinstance(t, Tensor) and t.requires_grad]
+            if not pairs or not targets:
+                continue
+            got = torch.autograd.grad([p[0] for p in pairs], [leaves[i] for i in targets], [p[1] for p in pairs],
+                                      allow_unused=True)
+            for i, gv in zip(targets, got):
+                if gv is not None:
+                    add_input_grad(grads_in, i, gv, seg.input_time_dims[i], s, e,
+                                   lambda i=i: torch.zeros_like(inputs[i]))
+            del ys, pairs, got
+        return (None, *grads_in)

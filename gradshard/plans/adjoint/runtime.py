@@ -1,0 +1,435 @@
+"""Adjoint-sharding runtime: one autograd.Function per linear-recurrence region (one layer).
+
+A region (built by ``rewrite_adjoint``) is three pieces cut from the captured graph:
+
+* ``producer``: region inputs (the layer input ``x``, parameters) -> ``(a, u, h0, r...)``,
+  time-local (a causal window of ``w`` steps means a halo of ``w-1`` steps per shard);
+* the recurrence ``h_t = a_t * h_{t-1} + u_t`` (diagonal/scalar per head/dense);
+* ``readout``: ``(h, r...) -> y...`` pointwise in time (``r`` are the producer values it reads).
+
+Forward (``plan="adjoint"`` and ``"truncated_adjoint"``), shard by shard without autograd::
+
+    for each shard [s, e):  producers on x[s-halo : e+halo] -> a, u, r (trimmed to the shard)
+                            h = scan(a, u, from the state at s-1) -> y[s:e] = readout(h, r)
+    saved: x, the parameters' references, and h at every shard boundary (T/shard states)
+
+A layer input that is a cheap pointwise function of graph inputs and parameters (layer 0's
+``embedding(W, ids)``) is not saved: the region receives its sources as extra inputs
+(:class:`InputRemat`), saves those, and recomputes the input's window in each backward shard.
+
+Backward, shards right to left; only one shard's graph is ever alive::
+
+    recompute producers on the window (grad on), h from its checkpoint (no grad)
+    g       = dL/dh from the readout's VJP with the true incoming dL/dy (all layers' terms)
+    lam     = adjoint:   lam_t = g_t + a_{t+1} lam_{t+1}, carried across shards
+              truncated: the windowed lam (gradshard.plans.adjoint.truncated), O(T) blockwise
+    da = lam * h_{t-1}, du = lam, dh0 = a_1 lam_1  ->  one VJP through the shard's producers
+
+The producer/readout graphs carry the captured length in their views; they are
+re-specialised per window length (:mod:`gradshard.plans.adjoint.respecialize`) and cached,
+so a region runs at any sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from gradshard.ir import Stage
+
+from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
+from gradshard.plans.adjoint.scan import recurrence_for
+from gradshard.plans.adjoint.truncated import TruncatedSweep
+
+__all__ = ["ScanSpec", "RegionIO", "InputRemat", "AdjointRegion", "AdjointFunction"]
+
+
+def _zeros_like_input(x: Optional[Tensor], like: Optional[tuple]) -> Tensor:
+    """A zero gradient buffer for a region input; a recomputed input (``x is None``) is described by
+    ``like = (shape, dtype, device)``."""
+    if x is not None:
+        return torch.zeros_like(x)
+    shape, dtype, device = like
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class ScanSpec:
+    """Where the recurrence sits in the producer outputs and its layout.
+
+    Producer outputs are ``(a, u, h0, r_0, ..., r_m)``; ``a``/``h0`` may be ``None``.
+    ``u`` has rank ``rank`` with time at ``time_dim``; ``a`` is right-aligned to ``u``.
+    """
+
+    kind: str  # "diagonal" | "dense"
+    has_a: bool
+    has_h0: bool
+    time_dim: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class RegionIO:
+    """Time layout of a region's inputs, producer outputs and outputs (``None``: no time)."""
+
+    input_time_dims: tuple[Optional[int], ...]
+    producer_time_dims: tuple[Optional[int], ...]
+    output_time_dims: tuple[Optional[int], ...]  # readout outputs
+    final_state: bool  # an extra last output: h at the last step
+    halo: tuple[int, int]  # steps recomputed before / after each shard
+    captured_len: int
+
+
+@dataclass(frozen=True)
+class InputRemat:
+    """Region input ``index`` is recomputed (not saved) from some of the region's extra inputs.
+
+    The extra inputs follow the region's own inputs in the call; ``leaf_slots`` are positions
+    among them (graph inputs, parameters, constants the caller keeps anyway) and
+    ``leaf_time_dims`` their time dims. The recomputation is pointwise in time, so a window
+    of the input is the recomputation on the same window of the leaves.
+    """
+
+    index: int
+    leaf_slots: tuple[int, ...]
+    leaf_time_dims: tuple[Optional[int], ...]
+
+
+# --------------------------------------------------------------------------- layout helpers
+
+
+def _canon(x: Optional[Tensor], td: int, rank: int) -> Optional[Tensor]:
+    """To ``(batch, time, *state)``: right-align to ``rank`` dims, move time to dim 1."""
+    if x is None:
+        return None
+    if x.dim() < rank:
+        x = x.reshape((1,) * (rank - x.dim()) + tuple(x.shape))
+    if rank == 1:
+        return x.unsqueeze(0)
+    return x.movedim(td, 1) if td != 1 else x
+
+
+def _uncanon(x: Tensor, td: int, rank: int, shape: Optional[Sequence[int]] = None) -> Tensor:
+    """Inverse of :func:`_canon` (``shape``: the original shape, for right-aligned inputs)."""
+    if rank == 1:
+        x = x.squeeze(0)
+    elif td != 1:
+        x = x.movedim(1, td)
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        x = x.reshape(shape)
+    return x
+
+
+def _state_canon(h: Optional[Tensor], rank: int) -> Optional[Tensor]:
+    """A state ``(*state)`` in the layout of canonical ``h`` minus time."""
+    if h is None:
+        return None
+    return h.unsqueeze(0) if rank == 1 else h
+
+
+def _state_uncanon(h: Tensor, rank: int) -> Tensor:
+    return h.squeeze(0) if rank == 1 else h
+
+
+def _narrow(x: Tensor, dim: Optional[int], start: int, length: int) -> Tensor:
+    return x if dim is None else x.narrow(dim, start, length)
+
+
+# --------------------------------------------------------------------------- the region module
+
+
+class AdjointRegion(nn.Module):
+    """One linear-recurrence region run with adjoint sharding (installed by ``rewrite_adjoint``).
+
+    ``forward(*inputs)`` returns the region's outputs as a tuple (readout outputs, then the
+    final state if the graph uses it). ``stages()`` lists what it runs, for the scheduler.
+    """
+
+    def __init__(self, name: str, producer: fx.GraphModule, readout: fx.GraphModule,
+                 facts: Mapping[str, tuple[Optional[DimFact], ...]], scan: ScanSpec, io: RegionIO, *,
+                 plan: str, shard_size: int, window: Optional[int] = None, describe: str = "",
+                 costs: Optional[Mapping[str, int]] = None,
+                 remats: Sequence[tuple[InputRemat, fx.GraphModule]] = (), n_extra: int = 0) -> None:
+        super().__init__()
+        self.region_name = name
+        self.producer = producer
+        self.readout = readout
+        self.facts = dict(facts)
+        self.scan = scan
+        self.io = io
+        self.plan = plan
+        self.shard_size = int(shard_size)
+        self.window = window
+        self.describe = describe
+        self.costs = dict(costs or {})
+        self._cache: dict[tuple[str, int], fx.GraphModule] = {}
+        self.rec = recurrence_for(scan.kind)
+        self.kernel_backend: Optional[str] = None  # set by the lower_kernels pass
+        self.remats = {r.index: r for r, _ in remats}
+        self.remat_graphs = nn.ModuleDict({f"input{r.index}": g for r, g in remats})
+        self.n_extra = int(n_extra)
+
+    # ---------------------------------------------------------------- graphs per length
+
+    def graph_for(self, which: str, length: int) -> fx.GraphModule:
+        """The producer or readout graph re-specialised to ``length`` steps (cached)."""
+        if which == "producer":
+            base = self.producer
+        elif which == "readout":
+            base = self.readout
+        else:
+            base = self.remat_graphs[which]
+        if length == self.io.captured_len:
+            return base
+        key = (which, length)
+        g = self._cache.get(key)
+        if g is None:
+            g = respecialize(base, self.facts, self.io.captured_len, length)
+            self._cache[key] = g
+        return g
+
+    # ---------------------------------------------------------------- calling
+
+    def seq_len(self, inputs: Sequence[Tensor]) -> int:
+        return time_length(inputs, self.io.input_time_dims, f"{self.region_name}: no region input")
+
+    def shards(self, T: int) -> list[tuple[int, int]]:
+        return shard_bounds(T, self.shard_size)
+
+    def window_of(self, s: int, e: int, T: int) -> tuple[int, int]:
+        lh, rh = self.io.halo
+        return max(0, s - lh), min(T, e + rh)
+
+    def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        return AdjointFunction.apply(self, *inputs)
+
+    def remat_window(self, index: int, extras: Sequence[Tensor], ws: int, we: int) -> Tensor:
+        """Window ``[ws, we)`` of region input ``index``, recomputed from the extra inputs (no grad)."""
+        r = self.remats[index]
+        leaves = [_narrow(extras[j], d, ws, we - ws) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
+        with torch.no_grad():
+            out = self.graph_for(f"input{index}", we - ws)(*leaves)
+        return (out[0] if isinstance(out, (tuple, list)) else out).detach()
+
+    # ---------------------------------------------------------------- per-shard pieces
+
+    def run_producers(self, inputs: Sequence[Tensor], s: int, e: int, T: int) -> tuple[list[Any], list[Tensor]]:
+        """Producer outputs trimmed to ``[s, e)`` and the window inputs they were computed from."""
+        ws, we = self.window_of(s, e, T)
+        win = [_narrow(x, d, ws, we - ws) if d is not None else x for x, d in zip(inputs, self.io.input_time_dims)]
+        outs = self.graph_for("producer", we - ws)(*win)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        trimmed = [None if o is None else _narrow(o, d, s - ws, e - s)
+                   for o, d in zip(outs, self.io.producer_time_dims)]
+        return trimmed, win
+
+    def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
+        return prod[0], prod[1], prod[2], prod[3:]
+
+    def canon_au(self, a: Optional[Tensor], u: Tensor) -> tuple[Optional[Tensor], Tensor]:
+        sp = self.scan
+        return _canon(a, sp.time_dim, sp.rank), _canon(u, sp.time_dim, sp.rank)
+
+    def h_for_readout(self, hc: Tensor) -> Tensor:
+        return _uncanon(hc, self.scan.time_dim, self.scan.rank)
+
+    def run_readout(self, h: Tensor, rs: Sequence[Tensor]) -> list[Tensor]:
+        out = self.graph_for("readout", int(h.shape[self.scan.time_dim]))(h, *rs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    # ---------------------------------------------------------------- stages
+
+    def stages(self) -> list[Stage]:
+        """Forward (sharded, checkpointing), then per shard in reverse: recompute, adjoint scan, VJP."""
+        T = self.io.captured_len
+        shards = self.shards(T)
+        c = self.costs
+        n = self.region_name
+        kernel = _scan_kernel_name(self.scan.kind, self.kernel_backend)
+        lam = "truncated adjoint (blockwise, window %s)" % self.window if self.plan == "truncated_adjoint" else "adjoint"
+        fwd = Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
+                    memory_bytes=int(c.get("saved_bytes", 0)),
+                    flops=int(c.get("producer_flops", 0) + c.get("scan_flops", 0) + c.get("readout_flops", 0)),
+                    kernel=kernel, note=f"{len(shards)} shard(s) of {self.shard_size}; saves the layer input and "
+                                        f"{len(shards)} state checkpoint(s)")
+        out = [fwd]
+        per_step = lambda key: c.get(key, 0) / max(T, 1)  # noqa: E731
+        for k in range(len(shards) - 1, -1, -1):
+            s, e = shards[k]
+            ws, we = self.window_of(s, e, T)
+            L, S = we - ws, e - s
+            out.append(Stage(name=f"{n}:shard{k}:recompute", kind="recompute", phase="backward", region=n,
+                             memory_bytes=int(per_step("producer_bytes") * L + per_step("state_bytes") * S),
+                             flops=int(per_step("producer_flops") * L + per_step("scan_flops") * S),
+                             kernel=kernel, note=f"steps [{ws}, {we}) -> shard [{s}, {e})"))
+            out.append(Stage(name=f"{n}:shard{k}:adjoint_scan", kind="adjoint_scan", phase="backward", region=n,
+                             memory_bytes=int(per_step("state_bytes") * S * 2),
+                             flops=int(per_step("scan_flops") * S * 2 + per_step("readout_flops") * S * 2),
+                             kernel=(f"{self.kernel_backend or 'auto'}:adjoint_shard" if self.scan.kind == "diagonal"
+                                     else "torch:dense_adjoint"),
+                             note=lam))
+            out.append(Stage(name=f"{n}:shard{k}:vjp_shard", kind="vjp_shard", phase="backward", region=n,
+                             memory_bytes=int(per_step("producer_bytes") * L),
+                             flops=int(per_step("producer_bwd_flops") * L),
+                             kernel="torch", note=f"{n}:forward" if k == 0 else ""))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.region_name}: {self.describe}, plan={self.plan}, shard_size={self.shard_size}" + (
+            f", window={self.window}" if self.window else "")
+
+
+def _scan_kernel_name(kind: str, backend: Optional[str]) -> str:
+    if kind == "dense":
+        return "torch:dense_linear_scan"
+    return f"{backend or 'auto'}:linear_scan"
+
+
+# --------------------------------------------------------------------------- the Function
+
+
+class AdjointFunction(torch.autograd.Function):
+    """Sharded forward with state checkpoints; adjoint (or truncated adjoint) backward."""
+
+    @staticmethod
+    def forward(ctx: Any, region: AdjointRegion, *all_inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        n_base = len(all_inputs) - region.n_extra
+        inputs, extras = all_inputs[:n_base], all_inputs[n_base:]
+        T = region.seq_len(inputs)
+        shards = region.shards(T)
+        sp = region.scan
+        io = region.io
+        outputs: list[Optional[Tensor]] = [None] * len(io.output_time_dims)
+        ckpts: list[Optional[Tensor]] = []
+        h: Optional[Tensor] = None
+        with torch.no_grad():
+            for s, e in shards:
+                prod, _ = region.run_producers(inputs, s, e, T)
+                a, u, h0, rs = region.split(prod)
+                if s == 0:
+                    h = _state_canon(h0, sp.rank)
+                ckpts.append(None if s == 0 else h)
+                ac, uc = region.canon_au(a, u)
+                hc = region.rec.scan(ac, uc, h, region.kernel_backend)
+                ys = region.run_readout(region.h_for_readout(hc), rs)
+                for i, (y, td) in enumerate(zip(ys, io.output_time_dims)):
+                    if outputs[i] is None:
+                        shape = list(y.shape)
+                        if td is not None:
+                            shape[td] = T
+                        outputs[i] = y.new_empty(shape)
+                    if td is None:
+                        raise RuntimeError(f"{region.region_name}: readout output {i} has no time axis")
+                    outputs[i].narrow(td, s, e - s).copy_(y)
+                h = hc[:, -1].clone() if hc.shape[1] else h  # a copy: a view would keep the shard alive
+        result = [o for o in outputs if o is not None]
+        if io.final_state:
+            result.append(_state_uncanon(h, sp.rank).clone())
+        ctx.region = region
+        ctx.T = T
+        ctx.n_inputs = len(inputs)
+        ctx.n_extra = len(extras)
+        ctx.ckpt_present = [c is not None for c in ckpts]
+        remat = {i for i in region.remats if i < len(inputs)}
+        ctx.remat_like = {i: (tuple(inputs[i].shape), inputs[i].dtype, inputs[i].device) for i in remat}
+        kept = [None if i in remat else x for i, x in enumerate(inputs)]
+        ctx.save_for_backward(*kept, *extras, *[c for c in ckpts if c is not None])
+        return tuple(result)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        region: AdjointRegion = ctx.region
+        saved = ctx.saved_tensors
+        inputs = list(saved[: ctx.n_inputs])
+        extras = list(saved[ctx.n_inputs: ctx.n_inputs + ctx.n_extra])
+        ck_iter = iter(saved[ctx.n_inputs + ctx.n_extra:])
+        ckpts = [next(ck_iter) if p else None for p in ctx.ckpt_present]
+        needs = ctx.needs_input_grad[1:]
+        io, sp, T = region.io, region.scan, ctx.T
+        n_out = len(io.output_time_dims)
+        dys = list(grads[:n_out])
+        d_final = grads[n_out] if io.final_state else None
+        static_leaves: list[Optional[Tensor]] = []
+        for x, d, need in zip(inputs, io.input_time_dims, needs):
+            static_leaves.append(None if d is not None else (x.detach().requires_grad_(need) if x.dtype.is_floating_point else x))
+        grads_in: list[Optional[Tensor]] = [None] * len(inputs)
+        shards = region.shards(T)
+        carry: Optional[Tensor] = None
+        sweep = TruncatedSweep(sp.kind, region.window, T) if region.plan == "truncated_adjoint" else None
+        for k in range(len(shards) - 1, -1, -1):
+            s, e = shards[k]
+            ws, we = region.window_of(s, e, T)
+            leaves: list[Tensor] = []
+            for i, (x, d) in enumerate(zip(inputs, io.input_time_dims)):
+                if d is None:
+                    leaves.append(static_leaves[i])
+                else:
+                    w = region.remat_window(i, extras, ws, we) if x is None else x.narrow(d, ws, we - ws).detach()
+                    leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
+            with torch.enable_grad():
+                outs = region.graph_for("producer", we - ws)(*leaves)
+                outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+                prod = [None if o is None else _narrow(o, d, s - ws, e - s) for o, d in zip(outs, io.producer_time_dims)]
+            a, u, h0, rs = region.split(prod)
+            h_start = ckpts[k] if k > 0 else _state_canon(h0, sp.rank)
+            h_start_d = None if h_start is None else h_start.detach()
+            ac, uc = region.canon_au(a, u)
+            acd = None if ac is None else ac.detach()
+            ucd = uc.detach()
+            with torch.no_grad():
+                hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
+            h_leaf = region.h_for_readout(hc).detach().requires_grad_(True)
+            r_leaves = [r.detach().requires_grad_(r.requires_grad) if isinstance(r, Tensor) and r.dtype.is_floating_point else r
+                        for r in rs]
+            with torch.enable_grad():
+                ys = region.run_readout(h_leaf, r_leaves)
+            pairs = [(y, _narrow(dy, td, s, e - s)) for y, dy, td in zip(ys, dys, io.output_time_dims)
+                     if dy is not None and y.requires_grad]
+            wrt = [h_leaf] + [r for r in r_leaves if isinstance(r, Tensor) and r.requires_grad]
+            if pairs:
+                got = torch.autograd.grad([p[0] for p in pairs], wrt, [p[1] for p in pairs], allow_unused=True)
+            else:
+                got = [None] * len(wrt)
+            g = got[0] if got[0] is not None else torch.zeros_like(h_leaf)
+            d_r = dict(zip([id(r) for r in wrt[1:]], got[1:]))
+            gc = _canon(g, sp.time_dim, sp.rank)
+            if d_final is not None and k == len(shards) - 1 and gc.shape[1]:
+                gc = gc.clone()
+                gc[:, -1] += _state_canon(d_final, sp.rank).to(gc.dtype)
+            if sweep is None:
+                da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
+                carry = dh_start
+            else:
+                lam = sweep.shard(s, acd, gc)
+                da, du, dh_start = region.rec.grads_from_lam(acd, hc, h_start_d, lam)
+            # one VJP through this shard's producers (parameters and window inputs)
+            outs_v: list[Tensor] = []
+            grads_v: list[Tensor] = []
+            if a is not None and a.requires_grad and da is not None:
+                outs_v.append(a)
+                grads_v.append(_uncanon(da, sp.time_dim, sp.rank, a.shape))
+            if u.requires_grad:
+                outs_v.append(u)
+                grads_v.append(_uncanon(du, sp.time_dim, sp.rank, u.shape))
+            if k == 0 and h0 is not None and h0.requires_grad:
+                outs_v.append(h0)
+                grads_v.append(_state_uncanon(dh_start, sp.rank).reshape(h0.shape).to(h0.dtype))
+            for r_orig, r_leaf in zip(rs, r_leaves):
+                dr = d_r.get(id(r_leaf))
+                if dr is not None and isinstance(r_orig, Tensor) and r_orig.requires_grad:
+                    outs_v.append(r_orig)
+                    grads_v.append(dr)
+            targets = [(i, leaves[i]) for i in range(len(leaves))
+                       if needs[i] and isinstance(leaves[i], Tensor) and leaves[i].requires_grad]
+            if outs_v and targets:
+                gi = torch.autograd.grad(outs_v, [t for _, t in targets], grads_v, allow_unused=True)
+                for (i, _), gv in zip(targets, gi):
+                    if gv is not None:
+                        add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
+                                       lambda i=i: _zeros_like_input(inputs[i], ctx.remat_like.get(i)))
+            del outs, prod, a, u, rs, ys, got, outs_v, grads_v
+        return (None, *grads_in, *([None] * ctx.n_extra))

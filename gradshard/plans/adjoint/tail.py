@@ -1,0 +1,347 @@
+"""Find the time-local segments around the recurrences that the adjoint plans recompute in shards.
+
+After ``rewrite_adjoint`` a model's recurrences keep only their layer inputs and state
+checkpoints; what follows the last recurrence (final norm, LM head, ...) and what sits between
+two recurrences outside their producers and readouts (an MLP block between SSM layers) would
+run under plain autograd, which keeps every intermediate its backward reads. When such a
+segment is pointwise in time, the plan runs it as a
+:class:`~gradshard.plans.adjoint.local.LocalSegment` that keeps only the segment's inputs
+and recomputes it shard by shard in the backward.
+
+:func:`find_local_tails` picks the tail from the time analysis of the graph *before* the
+regions are installed:
+
+1. candidates: ``call_function`` nodes outside the regions, carry one time dim,
+   read step ``t`` only (own reach ``[0, 0]``, no time offset), read at least one
+   time-carrying value, and are neither random, in place, nor position-sensitive
+   (``cat``/``slice``/``index``/...);
+2. convexity: each connected piece must not leave and re-enter itself (a piece runs as one
+   call); the nodes past such an exit form a piece of their own;
+3. boundary: outputs and time-carrying inputs must have exactly one full-length time dim;
+4. peeling: a node whose inputs all lie outside is moved out while that does not raise the
+   bytes the segment must keep (so ``y + out`` stays outside when ``y`` is kept anyway);
+5. benefit: a connected piece is kept only if plain autograd would save more bytes for it
+   (replayed on meta tensors with saved-tensor hooks) than the segment keeps.
+
+Bytes kept for free: graph inputs, parameters and constants, and values the caller says are
+kept anyway (the time-carrying inputs a region saves).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx as fx
+
+from gradshard.analysis.node_costs import tensor_bytes
+
+aten = torch.ops.aten
+
+__all__ = ["TailPlan", "find_local_tails", "pointwise_in_time", "autograd_saved_bytes"]
+
+# ops that move, select or join along an axis: their value at step t may depend on positions
+_POSITIONAL = {
+    "cat", "stack", "slice", "narrow", "select", "index", "index_select", "gather", "scatter", "scatter_add",
+    "constant_pad_nd", "pad", "reflection_pad1d", "replication_pad1d", "roll", "flip", "split", "split_with_sizes",
+    "unbind", "chunk", "tensor_split", "arange", "as_strided", "take_along_dim", "diagonal", "tril", "triu",
+    "cumsum", "cumprod", "linear_scan",
+}
+
+
+@dataclass
+class TailPlan:
+    """One time-local segment to run as a ``LocalSegment``."""
+
+    nodes: list[fx.Node]  # graph order
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    input_time_dims: tuple[Optional[int], ...]
+    output_time_dims: tuple[int, ...]
+    autograd_saved: int  # bytes plain autograd keeps for these nodes (not counting free values)
+    kept: int  # bytes the segment keeps (its non-free inputs)
+
+
+def _val(n: Any) -> Optional[torch.Tensor]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _op_name(n: fx.Node) -> str:
+    t = n.target
+    packet = getattr(t, "_overloadpacket", None)
+    return getattr(packet, "__name__", getattr(t, "__name__", str(t))).rstrip("_")
+
+
+def full_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
+    """The node's time dim if it has exactly one, of full length (``shift 0``); else ``None``."""
+    info = tl.info.get(n.name)
+    if info is None or len(info.time_dims) != 1 or info.origin != 0:
+        return None
+    d = info.time_dims[0]
+    f = facts.get(n.name, ())
+    if d >= len(f) or f[d] is None or f[d].kind != "shift" or f[d].value != 0:
+        return None
+    return d
+
+
+def _timed(tl: Any, n: fx.Node) -> bool:
+    info = tl.info.get(n.name)
+    return info is not None and bool(info.time_dims)
+
+
+def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
+    """Whether ``n`` computes step ``t`` of its time-carrying output from step ``t`` of its inputs only."""
+    if n.op != "call_function" or _val(n) is None:
+        return False
+    info = tl.info.get(n.name)
+    if info is None or len(info.time_dims) != 1 or info.origin != 0:
+        return False
+    if info.local is None or not info.local.is_pointwise:
+        return False
+    if n.target is operator.getitem or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable:
+        return False
+    if _op_name(n) in _POSITIONAL:
+        return False
+    ins = [a for a in n.all_input_nodes if _timed(tl, a)]
+    if not ins:
+        return False  # a time-carrying value built from no time-carrying input (positions, constants)
+    return all((tl.info[a.name].origin == 0) for a in ins)
+
+
+def _convex(order: list[fx.Node], cand: set[fx.Node]) -> set[fx.Node]:
+    """Drop candidates reachable from a candidate through a non-candidate (single topological sweep)."""
+    keep: set[fx.Node] = set()
+    tainted: set[fx.Node] = set()
+    for n in order:
+        ins = n.all_input_nodes
+        if n in cand:
+            if any(a in tainted for a in ins):
+                tainted.add(n)
+            else:
+                keep.add(n)
+        elif any(a in keep or a in tainted for a in ins):
+            tainted.add(n)
+    return keep
+
+
+def _boundary(nodes: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    order = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in nodes:
+                order.setdefault(a, None)
+    outputs = [n for n in nodes if any(u not in nodes for u in n.users)]
+    return list(order), outputs
+
+
+def _kept_bytes(inputs: Iterable[fx.Node], free: set[fx.Node]) -> int:
+    return sum(tensor_bytes(_val(x)) for x in inputs if not _is_free(x, free))
+
+
+def _is_free(x: fx.Node, free: set[fx.Node]) -> bool:
+    return x.op in ("placeholder", "get_attr") or x in free
+
+
+def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
+    left = set(nodes)
+    comps = []
+    while left:
+        stack = [left.pop()]
+        comp: set[fx.Node] = set()
+        while stack:
+            n = stack.pop()
+            comp.add(n)
+            for m in [*n.all_input_nodes, *n.users]:
+                if m in left:
+                    left.discard(m)
+                    stack.append(m)
+        comps.append(comp)
+    return comps
+
+
+def _meta_like(v: torch.Tensor) -> torch.Tensor:
+    t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    return t.requires_grad_(True) if t.is_floating_point() else t
+
+
+def _replay_saved(nodes: list[fx.Node]) -> Optional[tuple[dict[int, int], dict[int, fx.Node]]]:
+    """Replay ``nodes`` (graph order) on meta tensors under saved-tensor hooks.
+
+    Returns the saved storages (key -> bytes) and the node owning each storage the replay
+    created or received (key -> node); ``None`` if an op has no meta kernel.
+    """
+    env: dict[fx.Node, Any] = {}
+    owner: dict[int, fx.Node] = {}
+    seen: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        keep.append(t)
+        seen.setdefault(st._cdata, st.nbytes())
+        return t
+
+    def own(n: fx.Node, v: Any) -> None:
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                owner.setdefault(t.untyped_storage()._cdata, n)
+
+    def arg(a: fx.Node) -> Any:
+        if a not in env:
+            v = _val(a)
+            env[a] = _meta_like(v) if v is not None else a.meta.get("val")
+            own(a, env[a])
+        return env[a]
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            for n in nodes:
+                args = fx.node.map_arg(n.args, arg)
+                kwargs = fx.node.map_arg(n.kwargs, arg)
+                env[n] = n.target(*args, **kwargs)
+                own(n, env[n])
+    except Exception:  # an op without a meta kernel: unknown
+        return None
+    return seen, owner
+
+
+def autograd_saved_bytes(nodes: list[fx.Node], free: set[fx.Node]) -> int:
+    """Bytes plain autograd saves for ``nodes`` (graph order), replayed on meta tensors.
+
+    Saved views count once per storage; storages of free values count nothing; an op
+    without a meta kernel makes the answer 0 (unknown: nothing is gained by recomputing).
+    """
+    got = _replay_saved(nodes)
+    if got is None:
+        return 0
+    seen, owner = got
+    return sum(b for k, b in seen.items() if not (k in owner and _is_free(owner[k], free)))
+
+
+def _saves_only(n: fx.Node, allowed: set[fx.Node], free: set[fx.Node]) -> bool:
+    """Whether autograd, for ``n`` alone, saves nothing but free values and values in ``allowed``."""
+    got = _replay_saved([n])
+    if got is None:
+        return False
+    seen, owner = got
+    for k, b in seen.items():
+        who = owner.get(k)
+        if b and (who is None or not (_is_free(who, free) or who in allowed)):
+            return False
+    return True
+
+
+def _convex_pieces(order: list[fx.Node], cand: set[fx.Node], tl: Any, facts: dict) -> list[set[fx.Node]]:
+    """Candidates split into connected pieces, each convex (no path leaves a piece and comes back:
+    a piece runs as one call) and with full-length single time dims at its boundary. The nodes of a
+    piece past such an exit start a piece of their own; nodes at a bad boundary are dropped."""
+    pieces: list[set[fx.Node]] = []
+    pending = [set(cand)]
+    while pending:
+        for comp in _components(pending.pop()):
+            keep = _convex(order, comp)
+            if keep != comp:
+                pending += [keep, comp - keep]
+                continue
+            inputs, outputs = _boundary(comp)
+            bad = {n for n in outputs if full_time_dim(tl, facts, n) is None}
+            for x in inputs:
+                if _timed(tl, x) and full_time_dim(tl, facts, x) is None:
+                    bad |= {u for u in x.users if u in comp}
+            if bad:
+                pending.append(comp - bad)
+            else:
+                pieces.append(comp)
+    return pieces
+
+
+def _acyclic_once_collapsed(order: list[fx.Node], regions: list[set[fx.Node]],
+                            pieces: list[set[fx.Node]]) -> list[set[fx.Node]]:
+    """Drop pieces until collapsing every region and piece into one call leaves the graph acyclic.
+
+    A piece may be convex in the original graph and still close a cycle through a region, whose
+    call makes every output depend on every input (``x_b`` computed by the piece, ``e_a`` read by
+    it, the region mapping ``x_a -> e_a`` and ``x_b -> e_b`` separately)."""
+    import networkx as nx
+
+    pieces = list(pieces)
+    while True:
+        group: dict[fx.Node, tuple[str, int]] = {}
+        for i, r in enumerate(regions):
+            group.update({n: ("region", i) for n in r})
+        for i, p in enumerate(pieces):
+            group.update({n: ("piece", i) for n in p})
+        dag = nx.DiGraph()
+        for n in order:
+            dag.add_node(group.get(n, n))
+            for a in n.all_input_nodes:
+                if group.get(a, a) != group.get(n, n):
+                    dag.add_edge(group.get(a, a), group.get(n, n))
+        try:
+            cycle = nx.find_cycle(dag)
+        except nx.NetworkXNoCycle:
+            return pieces
+        on_cycle = [v for edge in cycle for v in edge[:2] if isinstance(v, tuple) and v[0] == "piece"]
+        if not on_cycle:
+            raise RuntimeError("internal: the recurrence regions form a cycle once collapsed")
+        del pieces[max(i for _, i in on_cycle)]
+
+
+def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set[fx.Node]],
+                     free: set[fx.Node], excluded: Iterable[fx.Node] = ()) -> list[TailPlan]:
+    """The time-local segments worth recomputing in shards (see module doc): after the last
+    recurrence, and between recurrences (an MLP block between two SSM layers).
+
+    ``regions`` (the node sets the region calls replace) and ``excluded`` (e.g. nodes an input
+    remat recomputes) never join a segment.
+    """
+    order = list(gm.graph.nodes)
+    barred = set().union(*regions, excluded)
+    cand = {n for n in order if n not in barred and pointwise_in_time(tl, n)}
+    pieces = _convex_pieces(order, cand, tl, facts)
+    # peeling removes only source nodes of a piece: what is left stays convex
+    pieces = [q for p in pieces for q in _components(_peel(p, free)) if q]
+    pieces = _acyclic_once_collapsed(order, regions, pieces)
+    pos = {n: i for i, n in enumerate(order)}
+    plans = []
+    for comp in pieces:
+        nodes = sorted(comp, key=pos.get)
+        inputs, outputs = _boundary(comp)
+        inputs.sort(key=pos.get)
+        outputs.sort(key=pos.get)
+        saved = autograd_saved_bytes(nodes, free)
+        kept = _kept_bytes(inputs, free)
+        if saved <= kept:
+            continue
+        plans.append(TailPlan(nodes, inputs, outputs,
+                              tuple(full_time_dim(tl, facts, x) if _timed(tl, x) else None for x in inputs),
+                              tuple(int(full_time_dim(tl, facts, y)) for y in outputs), saved, kept))
+    return plans
+
+
+def _peel(cand: set[fx.Node], free: set[fx.Node]) -> set[fx.Node]:
+    """Move out nodes whose inputs all lie outside while the bytes kept do not grow.
+
+    A node moved out runs under autograd again: it may leave only if its backward saves
+    nothing but free values and values the segment keeps anyway (``y + out``, ``0.1 * x``).
+    """
+    cand = set(cand)
+    changed = True
+    while changed:
+        changed = False
+        cost = _kept_bytes(_boundary(cand)[0], free)
+        for n in sorted(cand, key=lambda m: m.name):
+            if any(a in cand for a in n.all_input_nodes):
+                continue
+            rest = cand - {n}
+            rest_inputs = _boundary(rest)[0]
+            if _kept_bytes(rest_inputs, free) <= cost and _saves_only(n, set(rest_inputs), free):
+                cand = rest
+                changed = True
+                break
+    return cand

@@ -1,0 +1,65 @@
+"""Chunk-wise optimisation plans: ``seco`` (exact) and ``spaco`` (sparse, unbiased by default).
+
+Li et al., "Training Long-Context LLMs Efficiently via Chunk-wise Optimization"; semantics
+in DESIGN.md (``seco``, ``spaco``). Both plans share one pipeline; the plan name selects
+whether the backward visits every chunk or a sampled subset (see
+:mod:`gradshard.plans.chunked.runtime`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradshard.passes.annotate_time import annotate_time_locality
+from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
+from gradshard.passes.detect_regions import detect_regions
+from gradshard.passes.roll_loops import roll_loops
+from gradshard.passes.simplify_masks import simplify_attention_masks
+from gradshard.plans.chunked.plan import plan_chunk_program
+from gradshard.plans.chunked.rewrite import rewrite_chunked
+from gradshard.plans.registry import register_plan
+
+PASSES = (
+    # Before any analysis: a traced mask with always-true terms, or a causal mask written
+    # out, would otherwise be hoisted as a (T, T) tensor by the planner.
+    simplify_attention_masks,
+    # The time analysis comes next: everything after reads ctx.analyses["time"].
+    annotate_time_locality,
+    # Per-timestep Python loops become one linear_scan each (run chunk by chunk with a carried
+    # state); needs the time analysis and recomputes it, so detection below sees the scans.
+    roll_loops,
+    # Vectorised scans the chunk rules cannot carry themselves (associative_scan trees) become
+    # one scan op each; after rolling, before detection; recomputes the time analysis.
+    canonicalize_recurrences,
+    # Detectors (attention among them) need the time analysis (causality, score matrices);
+    # their attention regions name the KV cache points the planner keeps.
+    detect_regions,
+    # The planner needs the regions (KV sources) and the time analysis; it only analyses.
+    plan_chunk_program,
+    # The rewrite needs the chunk program; it must be last (it replaces the whole body).
+    rewrite_chunked,
+)
+
+
+@register_plan(
+    "seco", passes=PASSES, gradient="exact",
+    doc="Sequential chunk-wise optimisation: forward chunk by chunk keeping the KV cache and scan "
+        "states, backward one recomputed chunk at a time in reverse order.")
+@dataclass(frozen=True)
+class SecoOptions:
+    chunk_size: int = 512
+
+
+@register_plan(
+    "spaco", passes=PASSES,
+    gradient="unbiased estimate (sampling='bernoulli', no cap); biased with 'fixed' or max_compensation",
+    doc="Sparse chunk-wise optimisation: like seco, but the backward runs only a sampled subset of "
+        "chunks (budget t of k) with compensation factors.")
+@dataclass(frozen=True)
+class SpacoOptions:
+    chunk_size: int = 512
+    budget: int = 8
+    sampling: str = "bernoulli"
+    max_compensation: float | None = None
+    generator: Any = field(default=None, compare=False)
