@@ -24,11 +24,14 @@ rewritten relative to the end.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
+
+from gradshard.analysis.dims import shape_of
 
 aten = torch.ops.aten
 
@@ -58,19 +61,12 @@ class DimFact:
 Facts = Mapping[str, tuple[Optional[DimFact], ...]]
 
 
-def _shape(node: Any) -> Optional[tuple[int, ...]]:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
-    return None
-
-
 def time_facts(gm: fx.GraphModule, tl: Any, T: Optional[int] = None) -> dict[str, tuple[Optional[DimFact], ...]]:
     """Facts for every tensor node of ``gm`` from the time analysis ``tl`` (see module doc)."""
     T = int(T or tl.seq_len)
     out: dict[str, tuple[Optional[DimFact], ...]] = {}
     for node in gm.graph.nodes:
-        shp = _shape(node)
+        shp = shape_of(node)
         if shp is None or node.name not in tl.info:
             continue
         tdims = set(tl.info[node.name].time_dims)
@@ -115,7 +111,7 @@ class _Rewriter:
         return old
 
     def in_sizes(self, src: Any, dim: int) -> tuple[int, int, Optional[DimFact]]:
-        shp = _shape(src) or ()
+        shp = shape_of(src) or ()
         f = self.facts.get(src.name, ()) if isinstance(src, fx.Node) else ()
         dim = dim % max(len(shp), 1)
         old = shp[dim] if dim < len(shp) else 0
@@ -132,7 +128,7 @@ class _Rewriter:
         return tuple(args)
 
     def unflatten(self, node: fx.Node) -> tuple:
-        dim = node.args[1] % len(_shape(node.args[0]) or (1,))
+        dim = node.args[1] % len(shape_of(node.args[0]) or (1,))
         return self.sizes(node, 2, dim)
 
     def slice(self, node: fx.Node) -> tuple:
@@ -158,7 +154,7 @@ class _Rewriter:
         old, new, fact = self.in_sizes(src, dim)
         if fact is None or fact.kind == "fixed" or old == new:
             return tuple(node.args)
-        out = self.new_size(node, dim % len(_shape(node) or (1,)), length)
+        out = self.new_size(node, dim % len(shape_of(node) or (1,)), length)
         if start > 0 and 2 * start >= old:
             start += new - old
         return (src, dim, start, out)
@@ -174,7 +170,7 @@ class _Rewriter:
         f = self.out_facts(node)
         if not f or f[0] is None:
             return tuple(node.args)
-        old_len = (_shape(node) or (0,))[0]
+        old_len = (shape_of(node) or (0,))[0]
         new_len = f[0].size(self.T_new, old_len)
         args = list(node.args)
         if node.target is aten.arange.default:
@@ -289,7 +285,7 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 if node.op == "call_function":
                     val = node.target(*args, **kwargs)
                 elif node.op == "get_attr":
-                    val = _get_attr(gm, node.target)
+                    val = operator.attrgetter(node.target)(gm)
                 elif node.op == "call_module":
                     val = module_outputs(node, list(args)) if module_outputs else gm.get_submodule(node.target)(*args, **kwargs)
                 else:
@@ -307,13 +303,6 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 node.meta["val"] = val
             elif node.op == "call_function" and val is not None:
                 node.meta["val"] = val
-
-
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def time_length(inputs: Sequence[Any], time_dims: Sequence[Optional[int]], who: str) -> int:

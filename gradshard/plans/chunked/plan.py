@@ -21,7 +21,7 @@ analysis and the attention regions, in four steps:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gradshard.errors import UnsupportedGraphError, node_error
 from gradshard.ir import Region
-from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
 from gradshard.plans.chunked.cache import CacheSpec
 from gradshard.plans.chunked.evaluate import ChunkEvaluator, NeedsCache, RecursionGuard
 from gradshard.plans.chunked.frames import SKIP, Frame, TDim
@@ -56,18 +56,6 @@ def _flatten(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
         return [x for o in obj.values() for x in _flatten(o)]
     return [obj]
-
-
-def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _attention_sources(regions: Sequence[Region], nodes: dict[str, fx.Node]) -> tuple[dict[str, AttentionSource], dict[str, str]]:
@@ -108,7 +96,7 @@ def build_chunk_program(gm: fx.GraphModule, tl: Any, regions: Sequence[Region], 
     nodes = {n.name: n for n in gm.graph.nodes}
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     out_args = [a for a in _flatten(out_node.args[0]) if isinstance(a, fx.Node)]
-    needed = _ancestors(out_args)
+    needed = ancestors(out_args)
     sources, designated = _attention_sources(regions, nodes)
     overrides: dict[str, Frame] = {}
     grad_free = _grad_free(gm, example_inputs)

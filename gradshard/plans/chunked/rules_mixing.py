@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.errors import node_error
+from gradshard.ops.rolled_body import run_rolled_body
 from gradshard.plans.chunked.frames import SKIP, Demand, DimMap, TDim
 from gradshard.plans.chunked.rules import (
     AttentionSource, BuildCtx, CHUNK_RULES, default_run, meta_shape, NodeRule, positional,
@@ -538,15 +539,7 @@ def _rolled_body_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     return rule
 
 
-def _register_rolled_body() -> None:
-    try:
-        from gradshard.ops.rolled_body import run_rolled_body
-    except ImportError:  # the adjoint runtime is optional
-        return
-    CHUNK_RULES[run_rolled_body] = _rolled_body_rule
-
-
-_register_rolled_body()
+CHUNK_RULES[run_rolled_body] = _rolled_body_rule
 
 
 # --------------------------------------------------------------------------- convolution

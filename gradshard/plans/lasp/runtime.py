@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from gradshard.kernels import lightning_attention
 from gradshard.runtime.comm import Communicator, communicator
 
 __all__ = [
@@ -102,16 +103,6 @@ def dkv_label(layer_id: int) -> str:
 def _resolve_kernel(kernel: KernelFn | None) -> KernelFn:
     if kernel is not None:
         return kernel
-    try:
-        from gradshard.kernels import lightning_attention
-    except ImportError:
-        try:
-            from gradshard.kernels.lightning import lightning_attention
-        except ImportError as exc:
-            raise ImportError(
-                "lasp_attention needs gradshard.kernels.lightning_attention, which could not be "
-                "imported; pass kernel=<a function with the same signature> instead"
-            ) from exc
     return lightning_attention
 
 

@@ -54,7 +54,7 @@ import torch.fx as fx
 from gradshard.errors import GradshardError, node_error
 from gradshard.ir import Region, source_of
 from gradshard.pipeline import PassContext, PassResult, graph_pass
-from gradshard.plans.partial_update.runtime import (
+from gradshard.plans.partial_update.layout import (
     PartialUpdateError,
     SliceLayout,
     attention_layouts,

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from gradshard.errors import GradshardError, node_error
 from gradshard.ir import Stage
-from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass
 from gradshard.plans.partial_update.layout import SliceLayout
 from gradshard.plans.partial_update.sliced import SlicedLinear
 from gradshard.plans.partial_update.views import FullEntry, read_full, write_full
@@ -103,9 +103,7 @@ def rewrite_partial_update(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             f"feeding attention) whose weights are parameters used only by those projections. "
             f"Use plan='none' for full training, or check that the model calls F.linear / nn.Linear"
         )
-    new_graph = fx.Graph()
-    out = new_graph.graph_copy(gm.graph, {})
-    new_graph.output(out)
+    new_graph = copy_graph(gm)
     new_gm = fx.GraphModule(gm, new_graph)
     values = _placeholder_values(gm, ctx)
     by_name = {n.name: n for n in new_graph.nodes}
@@ -221,8 +219,7 @@ class _CompiledPartial:
             sliced[layer.weight_name] = FullEntry(layer.weight_name, layer, "weight")
             if layer.has_bias:
                 sliced[layer.bias_name] = FullEntry(layer.bias_name, layer, "bias")
-        entries = [sliced.pop(name, None) or FullEntry(name, param=p) for name, p in zip(cap.param_names, cap.params)]
-        return entries + list(sliced.values())
+        return [sliced.get(name) or FullEntry(name, param=p) for name, p in zip(cap.param_names, cap.params)]
 
     def parameter_slices(self) -> dict[str, tuple[str, tuple[int, int, int]]]:
         """``{slice_name in cm.named_parameters(): (original_name, (dim, start, stop))}``.

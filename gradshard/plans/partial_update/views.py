@@ -6,7 +6,7 @@ trainable slice to ``(original_name, (dim, start, stop))`` (DESIGN.md),
 (sliced weights reassembled), :func:`materialized_state_dict` is the unsliced model's state
 dict. :class:`FullEntry` with :func:`read_full` / :func:`write_full` is the one
 implementation of reading and writing full values, shared with the compiled plan's view
-(:class:`~gradshard.plans.partial_update.rewrite.PartialUpdateAPI`).
+(``cm.full_parameters()`` in :mod:`gradshard.plans.partial_update.rewrite`).
 """
 
 from __future__ import annotations
