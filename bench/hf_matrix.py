@@ -47,6 +47,9 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+if not (ROOT / "tests" / "hf" / "zoo.py").is_file():
+    raise SystemExit("hf_matrix builds its models from the test suite's zoo (tests/hf/zoo.py), which ships only "
+                     "in a source checkout: run `python bench/hf_matrix.py` in a clone of the repository")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
-from . import kernels, ops  # ops: the custom ops the kernels' front doors call
-from .api import CompiledModule, backend, compile, plans
+from . import kernels, ops  # noqa: F401  (ops: the custom ops the kernels' front doors call)
+from . import api as _api
+from .api import CompiledModule, backend, plans
 from .errors import CaptureError, GradshardError, UnsupportedGraphError
 from .measure import measure  # after the submodule import: ``gs.measure`` is the function
 
@@ -17,6 +18,20 @@ __all__ = [
     "GradshardError", "CaptureError", "UnsupportedGraphError",
 ]
 __version__ = "0.1.0"
+
+
+def compile(model_or_fn, plan: str = "none", **kwargs):  # noqa: A001 - the public name
+    """Compile ``model_or_fn`` with ``plan``; ``plan="auto"`` lets the cost model choose.
+
+    Every plan but ``"auto"``: :func:`gradshard.api.compile`. ``plan="auto"`` takes
+    ``memory_budget`` (bytes or ``"8GB"``), optional ``device`` and ``allow_approximate``
+    (:mod:`gradshard.autoplan`; it loads the cost model).
+    """
+    if plan == "auto":
+        from .autoplan import compile_auto
+
+        return compile_auto(model_or_fn, **kwargs)
+    return _api.compile(model_or_fn, plan, **kwargs)
 
 
 def __getattr__(name: str):

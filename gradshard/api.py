@@ -21,7 +21,7 @@ import torch.nn as nn
 from .capture import FRONTENDS, Captured, capture, capture_graph_module, guard_key, state_key
 from .errors import GradshardError
 from .ir import PassRecord, Region
-from .pipeline import PassContext, run_passes
+from .pipeline import PassContext, copy_graph, run_passes
 from .plans import get_plan, plans
 from .schedule import Program, build_program
 
@@ -69,7 +69,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
     ctx = PassContext(plan=plan, options=opts, example_inputs=example_inputs, captured=captured,
                       strict=spec.needs_time_axis, time_axis=time_axis, backend=backend)
     original = fx.GraphModule(gm, gm.graph)  # shares the graph; passes build new graphs
-    original.graph = _copy_graph(gm)
+    original.graph = copy_graph(gm)
     prepared = _prepare(spec, gm, ctx)
     out_gm, records = run_passes(gm, spec.pipeline(), ctx, progress)
     records = [*prepared, *records]
@@ -336,7 +336,7 @@ class CompiledModule(nn.Module):
 def compile(model_or_fn: nn.Module | Callable[..., Any], plan: str = "none", *, frontend: str = "python",
             time_axis: tuple[int, int] | None = None, backend: str | None = None,
             cache_size: int = DEFAULT_CACHE_SIZE, **options: Any) -> CompiledModule:
-    """Compile ``model_or_fn`` with ``plan`` (see ``gs.plans()`` and DESIGN.md for options).
+    """Compile ``model_or_fn`` with ``plan`` (see ``gs.plans()`` and docs/DESIGN.md for options).
 
     ``frontend`` picks the capture front door (``"python"``, ``"fx"``, ``"dynamo"``);
     ``time_axis=(input_index, dim)`` overrides time-axis inference; ``backend`` forces the

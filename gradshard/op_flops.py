@@ -52,37 +52,35 @@ def adjoint_shard_flops(u_shape: Shape) -> int:
     return 2 * linear_scan_flops(u_shape)
 
 
-def _chunk_sums(length: int, chunk: int) -> tuple[int, int, int]:
-    """``(sum c, sum c^2, sum c^3)`` over the chunks ``c`` of a length split into ``chunk``-blocks."""
-    full, rest = divmod(length, chunk)
-    return length, full * chunk**2 + rest**2, full * chunk**3 + rest**3
-
-
 def lightning_attention_flops(q_shape: Shape, v_shape: Shape, chunk_size: int) -> int:
-    """Forward of chunked linear attention, per batch and head and per chunk of ``c`` steps::
+    """Forward of chunked linear attention, per batch and head: every step's query meets a block
+    of ``C = chunk_size`` keys, and every block updates the state, i.e. per block of ``C`` steps::
 
-        Q K^T (2 c^2 dk), (.. * M) V (2 c^2 dv), (P * Q) S (2 c dk dv), (Gam * K)^T V (2 c dk dv)
+        Q K^T (2 C^2 dk), (.. * M) V (2 C^2 dv), (P * Q) S (2 C dk dv), (Gam * K)^T V (2 C dk dv)
+
+    Linear in the length ``T`` (``T / C`` blocks); exact when ``C`` divides ``T`` (a shorter last
+    block is counted as a full one).
     """
     b, h, length, dk = q_shape
     dv = v_shape[-1]
-    s1, s2, _ = _chunk_sums(length, chunk_size)
-    return b * h * (2 * (dk + dv) * s2 + 4 * dk * dv * s1)
+    return b * h * length * (2 * chunk_size * (dk + dv) + 4 * dk * dv)
 
 
 def lightning_attention_backward_flops(q_shape: Shape, v_shape: Shape, chunk_size: int, has_decay: bool) -> int:
-    """Backward of chunked linear attention (see ``gradshard.kernels.lightning_torch``), per chunk:
+    """Backward of chunked linear attention (``gradshard.kernels.lightning_torch``), per block of ``C``:
 
-    the scores ``Q K^T`` and ``dO V^T`` again, ``dQ``, ``dK``, ``dV`` from them (``2 c^2 (3 dk + 2 dv)``),
-    the states recomputed and carried back (five ``c dk dv`` products); with a decay, the decay
-    gradient adds two ``c dk dv`` products, one ``c x c`` matrix-vector and one ``c x c x c`` product.
+    the scores ``Q K^T`` and ``dO V^T`` again and ``dQ``, ``dK``, ``dV`` from them
+    (``2 C^2 (3 dk + 2 dv)``), the states recomputed and carried back (five ``2 C dk dv``
+    products); with a decay, its gradient adds two ``2 C dk dv`` products, a ``C x C``
+    matrix-vector and a ``C x C x C`` product. Linear in ``T``, as the forward.
     """
     b, h, length, dk = q_shape
     dv = v_shape[-1]
-    s1, s2, s3 = _chunk_sums(length, chunk_size)
-    flops = 2 * (3 * dk + 2 * dv) * s2 + 10 * dk * dv * s1
+    c = chunk_size
+    per_step = 2 * c * (3 * dk + 2 * dv) + 10 * dk * dv
     if has_decay:
-        flops += 4 * dk * dv * s1 + 2 * s2 + 2 * s3
-    return b * h * flops
+        per_step += 4 * dk * dv + 2 * c + 2 * c * c
+    return b * h * length * per_step
 
 
 # --------------------------------------------------------------------------- registry adapters

@@ -5,21 +5,23 @@ they return the same graph with ``changed=False`` and their findings as ``region
 *Rewrite* passes return a new graph. The manager runs one explicit ordered list per plan
 (see :mod:`gradshard.plans.registry`), lints the graph after every pass, and records a
 :class:`~gradshard.ir.PassRecord` (before/after code, created/erased nodes, notes) so
-``cm.explain()`` and ``gradshard show`` can print every intermediate graph.
+``cm.explain()`` and ``gradshard show`` can print every intermediate graph. Two small graph
+helpers every pass room shares live here too: :func:`copy_graph` and :func:`ancestors`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch.fx as fx
 
 from .errors import GradshardError
 from .ir import PassRecord, Region
 
-__all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed"]
+__all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed",
+           "copy_graph", "ancestors"]
 
 
 class PassFailed(GradshardError):
@@ -87,6 +89,30 @@ class _FnPass:
 def graph_pass(fn: Callable[[fx.GraphModule, PassContext], PassResult]) -> _FnPass:
     """Decorator: turn ``def verb_object(gm, ctx) -> PassResult`` into a named pass."""
     return _FnPass(fn.__name__, fn, (fn.__doc__ or "").strip().split("\n\n")[0])
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph (same node names and meta) for a rewrite pass to change."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    return g
+
+
+def ancestors(roots: Iterable[Any], within: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
+    """The nodes among ``roots`` and every node they read from, transitively.
+
+    ``within``: walk only the nodes for which it holds (a root failing it is left out, and
+    the walk does not pass through such a node). Non-node roots are ignored.
+    """
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen or (within is not None and not within(n)):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
 
 
 def lint_graph(gm: fx.GraphModule) -> None:

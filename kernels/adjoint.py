@@ -9,7 +9,7 @@ next shard (zero for the last shard)::
     grad_a_t = lam_t h_{t-1},  grad_u_t = lam_t,  grad_h0 = a_1 lam_1
 
 ``grad_h0`` is exactly the ``lam_carry`` of the previous shard, so shards chain right to left:
-``carry = adjoint_shard(a_k, u_k, g_k, h0_k, carry)[2]`` for k = K..1 (DESIGN.md, "adjoint").
+``carry = adjoint_shard(a_k, u_k, g_k, h0_k, carry)[2]`` for k = K..1 (docs/DESIGN.md, "adjoint").
 Shapes follow :func:`gradshard.kernels.linear_scan`: ``a`` broadcasts to ``u`` =
 ``(batch, S, *state)``; ``g`` is like ``u``; ``h0`` and ``lam_carry`` are ``(batch, *state)``.
 This op is a building block of the backward pass itself and is not differentiable.

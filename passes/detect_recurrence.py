@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.ir import Region, source_of
-from gradshard.pipeline import PassContext
+from gradshard.pipeline import PassContext, ancestors
 
 from gradshard.ops.dense_scan import is_scan_op
 from gradshard.passes.recurrence_graph import live_nodes
@@ -153,15 +153,7 @@ def _classify(node: Any, memo: dict) -> Optional[tuple]:
 
 def _pattern_nodes(start: fx.Node, stop: fx.Node) -> set[fx.Node]:
     """Ancestors of ``start`` down to (excluding) ``stop``."""
-    seen: set[fx.Node] = set()
-    stack = [start]
-    while stack:
-        n = stack.pop()
-        if n in seen or n is stop:
-            continue
-        seen.add(n)
-        stack.extend(a for a in n.all_input_nodes)
-    return seen
+    return ancestors([start], lambda n: n is not stop)
 
 
 @register_site_finder("log-space cumsum")

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from gradshard.analysis.dims import shape_of
 from gradshard.analysis.locality import DATA_INDEPENDENT, SCAN_OPS, TimeLocality
+from gradshard.pipeline import ancestors
 
 aten = torch.ops.aten
 
@@ -116,15 +117,7 @@ def _is_scan(node: fx.Node) -> bool:
 def live_nodes(gm: fx.GraphModule) -> set[str]:
     """Names of the nodes the graph output (or an impure node) depends on."""
     roots = [n for n in gm.graph.nodes if n.op == "output" or (n.op == "call_function" and n.is_impure())]
-    seen: set[str] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n.name in seen:
-            continue
-        seen.add(n.name)
-        stack.extend(n.all_input_nodes)
-    return seen
+    return {n.name for n in ancestors(roots)}
 
 
 def find_components(gm: fx.GraphModule, tl: TimeLocality,
@@ -292,7 +285,7 @@ class ConstValues:
                     raise KeyError(n.name)
                 self._memo[n.name] = _f64(val.detach()) if isinstance(val, torch.Tensor) else val
             elif n.op == "get_attr":
-                self._memo[n.name] = _f64(_get_attr(self.gm, n.target))
+                self._memo[n.name] = _f64(operator.attrgetter(n.target)(self.gm))
             elif _data_independent(n):  # new_zeros(q, ...): only q's metadata matters
                 args = fx.node.map_arg(n.args, lambda a: self._memo.get(a.name, _like(a)))
                 kwargs = _promote_dtype(fx.node.map_arg(n.kwargs, lambda a: self._memo.get(a.name, _like(a))))
@@ -345,13 +338,6 @@ def _like(node: fx.Node) -> Any:
     if isinstance(val, torch.Tensor):
         return _f64(torch.zeros(val.shape, dtype=val.dtype))
     raise KeyError(f"{node.name} has no shape metadata")
-
-
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _ancestors_topo(node: fx.Node, stop) -> list[fx.Node]:

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.fake import fake_run
+from gradshard.pipeline import ancestors, copy_graph
 
 __all__ = ["copy_graph_module", "emit_node", "fake_run", "live_nodes", "live_users", "time_from_dim1", "time_to_dim1"]
 
@@ -16,10 +17,7 @@ aten = torch.ops.aten
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copy of ``gm``'s graph (same node names and meta)."""
-    g = fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    new = fx.GraphModule(gm, g, gm.__class__.__name__)
+    new = fx.GraphModule(gm, copy_graph(gm), gm.__class__.__name__)
     for k, v in getattr(gm, "meta", {}).items():
         new.meta[k] = v
     return new
@@ -27,16 +25,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 def live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes the output depends on (make_fx keeps dead ``detach``/views; they do not count as uses)."""
-    live: set[fx.Node] = set()
-    out = next(iter(gm.graph.find_nodes(op="output")))
-    stack = [out]
-    while stack:
-        n = stack.pop()
-        if n in live:
-            continue
-        live.add(n)
-        stack.extend(n.all_input_nodes)
-    return live
+    return ancestors(gm.graph.find_nodes(op="output"))
 
 
 def live_users(node: fx.Node, live: set[fx.Node]) -> list[fx.Node]:

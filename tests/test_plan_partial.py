@@ -197,3 +197,24 @@ def test_a_single_target_may_be_given_as_a_string() -> None:
     cm = gs.compile(llama(), plan="partial_update", num_slices=2, slice_index=0, targets="mlp")
     cm(tokens()[0])
     assert set(_roles(cm).values()) == {"mlp_in", "mlp_out"}
+
+
+def test_compiled_full_parameters_round_trip_and_refuse_a_broadcast() -> None:
+    """cm.full_parameters / load_full_parameters share one implementation with the module-level
+    functions: a value that would broadcast (a scalar for an unsliced weight) is an error."""
+    torch.manual_seed(4)
+    cm = gs.compile(GeluBlock().to(DT), plan="partial_update", num_slices=2, slice_index=1)
+    cm(torch.randn(2, 3, 3, dtype=DT))
+    new = {n: torch.randn_like(v) for n, v in cm.full_parameters().items()}
+    cm.load_full_parameters(new)
+    got = cm.full_parameters()
+    for n in new:
+        assert torch.equal(got[n], new[n]), n
+    before = cm.full_parameters(["head.weight"])["head.weight"].detach().clone()
+    with pytest.raises(GradshardError, match="head.weight.*has shape \\(1, 6\\), got \\(\\); pass the full tensor"):
+        cm.load_full_parameters({"head.weight": torch.tensor(0.5, dtype=DT)})
+    assert torch.equal(cm.model.head.weight, before)  # nothing written
+    with pytest.raises(GradshardError, match="up.weight: full weight has shape \\(2, 6\\), expected \\(9, 6\\)"):
+        cm.load_full_parameters({"up.weight": torch.zeros(2, 6, dtype=DT)})
+    with pytest.raises(GradshardError, match="unknown parameter name"):
+        cm.full_parameters(["up.weight_slice"])

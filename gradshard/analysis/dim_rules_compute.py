@@ -145,6 +145,14 @@ def _linear_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     return NodeDims(tuple(xd[:-1]) + (frozenset(),), merge_selected(node, ctx))
 
 
+def _einsum_names(spec: str, rank: int) -> list[str]:
+    """One name per dim of an einsum operand ``spec`` of rank ``rank`` (``...`` -> ``_e0, _e1, ..``)."""
+    if "..." not in spec:
+        return list(spec)
+    pre, post = spec.split("...")
+    return list(pre) + [f"_e{i}" for i in range(rank - len(pre) - len(post))] + list(post)
+
+
 @register_dim_rule(aten.einsum)
 def _einsum_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     eq, operands = node.args[0], node.args[1]
@@ -155,13 +163,7 @@ def _einsum_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     for spec, op in zip(in_specs, operands):
         dims = ctx.dims(op)
         shp = shape_of(op) or ()
-        if "..." in spec:
-            pre, post = spec.split("...")
-            n_ell = len(shp) - len(pre) - len(post)
-            names = list(pre) + [f"_e{i}" for i in range(n_ell)] + list(post)
-        else:
-            names = list(spec)
-        for nm, ls, s in zip(names, dims, shp):
+        for nm, ls, s in zip(_einsum_names(spec, len(shp)), dims, shp):
             if s != 1:
                 letter.setdefault(nm, set()).update(ls)
                 letter_sides.setdefault(nm, []).append(ls)
@@ -170,12 +172,7 @@ def _einsum_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     out_shape = shape_of(node) or ()
     if not rhs:
         rhs = "".join(sorted(c for c in letter if len(c) == 1 and sum(sp.count(c) for sp in in_specs) == 1))
-    if "..." in rhs:
-        pre, post = rhs.split("...")
-        n_ell = len(out_shape) - len(pre) - len(post)
-        names = list(pre) + [f"_e{i}" for i in range(n_ell)] + list(post)
-    else:
-        names = list(rhs)
+    names = _einsum_names(rhs, len(out_shape))
     return NodeDims(tuple(frozenset(letter.get(n, set())) for n in names), merge_selected(node, ctx))
 
 
@@ -188,6 +185,14 @@ def _conv_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
 
 
 # --------------------------------------------------------------------------- reductions & scans
+
+
+def _first_output(node: fx.Node, nd: NodeDims) -> NodeDims | tuple[NodeDims | None, ...]:
+    """``nd`` for a one-output op; for a multi-output op (``native_layer_norm``), ``nd`` for
+    the first output and nothing known of the others (statistics)."""
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return (nd,) + tuple(None for _ in node.meta["val"][1:])
+    return nd
 
 
 def _reduce_dims(node: fx.Node) -> tuple[list[int] | None, bool]:
@@ -225,9 +230,7 @@ def _reduce_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims |
                    aten.native_group_norm)
 def _keep_rank_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | None, ...]:
     nd = NodeDims(ctx.dims(node.args[0]), merge_selected(node, ctx))
-    if isinstance(node.meta.get("val"), (tuple, list)):
-        return (nd,) + tuple(None for _ in node.meta["val"][1:])
-    return nd
+    return _first_output(node, nd)
 
 
 @register_dim_rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu)
@@ -236,9 +239,7 @@ def _sdpa_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | N
     qd, kd, vd = ctx.dims(q), ctx.dims(k), ctx.dims(v)
     ctx.unify([(kd[-2], None), (vd[-2], None)])
     nd = NodeDims(tuple(qd[:-1]) + (vd[-1],), merge_selected(node, ctx))
-    if isinstance(node.meta.get("val"), (tuple, list)):
-        return (nd,) + tuple(None for _ in node.meta["val"][1:])
-    return nd
+    return _first_output(node, nd)
 
 
 @register_dim_rule(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.mse_loss,

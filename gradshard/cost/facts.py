@@ -89,7 +89,7 @@ def _kernel_states(gm: fx.GraphModule, dims: DimAnalysis, time_cls: int, batch_c
             vals = node.meta.get("val")
             if not (isinstance(vals, (tuple, list)) and len(vals) > 1 and isinstance(vals[1], torch.Tensor)):
                 continue
-            state = vals[1]  # (B, H, dk, dv) by the kernel's contract (DESIGN.md): batch first
+            state = vals[1]  # (B, H, dk, dv) by the kernel's contract (docs/DESIGN.md): batch first
             q = dims.dims_of(node.args[0])
             labels = [q.dims[0]] + [()] * (state.dim() - 1) if q is not None and q.dims else [()] * state.dim()
             per = symbolic_bytes(state, labels, dims, time_cls, batch_cls, axes.seq_len, axes.batch_size)

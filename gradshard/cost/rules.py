@@ -14,7 +14,7 @@ must respect:
 - ``adjust(ctx)``: rewrite the probed expressions (communication per step, expected values
   of randomised plans).
 
-Rules come from the plans' semantics in DESIGN.md:
+Rules come from the plans' semantics in docs/DESIGN.md:
 
 ==================  ====================================================================
 none                plain autograd: everything saved, as probed

@@ -80,7 +80,7 @@ class SlicedParameters(Protocol):
     """What the outer loop needs from a module whose trainable parameters may be slices."""
 
     def parameter_slices(self) -> dict[str, tuple[str, tuple[int, int, int]]]:
-        """``{slice_name: (original_name, (dim, start, stop))}`` (DESIGN.md)."""
+        """``{slice_name: (original_name, (dim, start, stop))}`` (docs/DESIGN.md)."""
 
     def full_parameters(self, names: Iterable[str] | None = None) -> dict[str, Tensor]:
         """Full values under original names: split tensors reassembled (new tensors), the

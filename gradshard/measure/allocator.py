@@ -91,8 +91,7 @@ def _quiet_stderr() -> Iterator[None]:
     caught: list[warnings.WarningMessage] = []
     try:
         os.dup2(devnull, 2)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:  # the active filters still apply
             yield
     finally:
         os.dup2(saved, 2)

@@ -94,11 +94,11 @@ def measure(
         # mid-step (that would lower the allocation below the starting point). The tracker
         # counts only storages allocated in the step, so it does not need this.
         gc.collect()
+    trace = CpuAllocatorTrace(dev) if compiled_code_may_run() else None
     tracker = LiveTensorTracker(device=dev, force_eager=False)
-    recorder = SavedTensorRecorder(tracker)
+    recorder = SavedTensorRecorder(tracker, settle_by_address=trace is not None)
     flop_counter = StepFlopCounter()
     cuda_peak = CudaPeak(dev) if dev.type == "cuda" else None
-    trace = CpuAllocatorTrace(dev) if compiled_code_may_run() else None
     compilations = compilation_count()
     with contextlib.ExitStack() as instruments:
         for instrument in (trace, cuda_peak, tracker, flop_counter, record_saved(recorder)):

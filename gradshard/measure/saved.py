@@ -36,10 +36,11 @@ __all__ = ["SavedTensorRecorder", "active_saved_recorders", "record_saved"]
 class SavedTensorRecorder:
     """Distinct storages packed by ``saved_tensors_hooks`` while :func:`record_saved` is active."""
 
-    def __init__(self, tracker: LiveTensorTracker):
+    def __init__(self, tracker: LiveTensorTracker, *, settle_by_address: bool = False):
         self._tracker = tracker
         self._seen: dict[int, StorageRef] = {}
         self._lock = threading.Lock()
+        self._by_address = settle_by_address  # keep the addresses :meth:`settle` needs
         self._unknown: list[tuple[int, int]] = []  # (data_ptr, nbytes) of storages the tracker never saw
         self.activation_bytes = 0
         """Bytes of saved storages allocated during the region."""
@@ -62,12 +63,13 @@ class SavedTensorRecorder:
             self.total_bytes += nbytes
             if self._tracker.owns_key(key):
                 self.activation_bytes += nbytes
-            elif nbytes:
+            elif nbytes and self._by_address:
                 self._unknown.append((st.data_ptr(), nbytes))
 
     def settle(self, allocated_ptrs: Collection[int]) -> int:
         """Count the saved storages the tracker never saw whose address the allocator handed out
-        during the region (``allocated_ptrs``) as activations; returns the bytes added.
+        during the region (``allocated_ptrs``) as activations; returns the bytes added. Needs
+        ``settle_by_address=True`` (real tensors: a fake tensor has no address).
 
         A storage that predates the region cannot have been allocated at its address during the
         region while it was alive; it could only if it was freed, mid-region, after being saved

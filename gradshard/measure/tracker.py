@@ -421,3 +421,9 @@ class LiveTensorTracker(TorchDispatchMode):
         with self._lock:
             if self._alive.get(ref.key) is ref:
                 del self._alive[ref.key]
+                self._live -= ref.nbytes
+
+    def _on_foreign_free(self, ref: StorageRef) -> None:
+        with self._lock:
+            if self._foreign.get(ref.key) is ref:
+                del self._foreign[ref.key]

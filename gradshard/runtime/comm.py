@@ -25,13 +25,14 @@ autograd's backward threads.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed import ReduceOp
@@ -197,6 +198,33 @@ class Communicator:
         self.rank: int = group.rank()
         self.world_size: int = group.size()
 
+    @contextlib.contextmanager
+    def _op_timeout(self) -> Iterator[None]:
+        """Post an operation under gradshard's timeout, then restore the group's own.
+
+        gloo fixes an operation's deadline when it is posted, from the group's timeout
+        (``init_process_group(timeout=...)``, 30 min by default). An operation abandoned
+        after a :class:`CommTimeoutError` would otherwise keep the process alive (its
+        threads never exit) until that much later deadline. Groups that do not expose their
+        timeout (thread-based test groups) are left alone.
+        """
+        backend = None
+        get_backend = getattr(self.group, "_get_backend", None)
+        if callable(get_backend):
+            try:
+                backend = get_backend(torch.device("cpu"))
+            except RuntimeError:  # no CPU backend (nccl only): its ops carry their own timeout
+                backend = None
+        old = getattr(getattr(backend, "options", None), "_timeout", None)
+        if old is None or not callable(getattr(backend, "set_timeout", None)):
+            yield
+            return
+        backend.set_timeout(datetime.timedelta(seconds=self.resolve_timeout()))
+        try:
+            yield
+        finally:
+            backend.set_timeout(old)
+
     def resolve_timeout(self, timeout_s: float | None = None) -> float:
         """The timeout a wait uses: the call's, else this communicator's, else the default."""
         if timeout_s is not None:
@@ -245,7 +273,8 @@ class Communicator:
         what = f"to send {description or label} to rank {dst} (tag {tag})"
         _record(self.group, label, SEND, _nbytes(tensor))
         try:
-            work = self.group.send([tensor], dst, tag)
+            with self._op_timeout():
+                work = self.group.send([tensor], dst, tag)
         except Exception as exc:
             raise self.failure(what, None, exc) from exc
         return PendingOp(self, work, what, tensor)
@@ -260,7 +289,8 @@ class Communicator:
         what = f"for {description or label} from rank {src} (tag {tag})"
         _record(self.group, label, RECV, _nbytes(tensor))
         try:
-            work = self.group.recv([tensor], src, tag)
+            with self._op_timeout():
+                work = self.group.recv([tensor], src, tag)
         except Exception as exc:
             raise self.failure(what, None, exc) from exc
         return PendingOp(self, work, what, tensor)
@@ -286,7 +316,8 @@ class Communicator:
         what = f"for the all-reduce of {label} over {self.world_size} ranks"
         _record(self.group, label, ALLREDUCE, _nbytes(tensor))
         try:
-            work = self.group.allreduce([tensor], op)
+            with self._op_timeout():
+                work = self.group.allreduce([tensor], op)
         except Exception as exc:
             raise self.failure(what, None, exc) from exc
         return PendingOp(self, work, what, tensor)

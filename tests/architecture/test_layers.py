@@ -24,6 +24,7 @@ LAYERS = (
     "gradshard.api",          # compile / CompiledModule / backend: drives the pipeline
     "gradshard.measure",      # measuring steps (torch's counters)
     "gradshard.cost",         # symbolic cost model
+    "gradshard.autoplan",     # plan="auto": the cost model chooses the plan
     "gradshard.distributed",  # outer loops and checkpoints across ranks
     "gradshard.examples",     # demo models shipped with the package
     "gradshard.bench",        # benchmarks shipped with the package

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import site as site_module
 import subprocess
 import sys
 import zipfile
@@ -103,26 +104,38 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     inst = _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
                  str(wheel)], cwd=base)
     assert inst.returncode == 0, inst.stdout + inst.stderr
-    empty = base / "empty"
-    empty.mkdir()
-    return {"wheel": wheel, "site": site, "empty": empty}
+    return {"wheel": wheel, "site": site, "base": base, "src": src}
 
 
-def _env(site: Path) -> dict[str, str]:
+def _empty_folder(installed: dict[str, Path], name: str) -> Path:
+    folder = installed["base"] / "cwd" / name
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _python(site: Path) -> tuple[list[str], dict[str, str]]:
+    """An interpreter that sees the installed wheel and the dependencies, not the checkout.
+
+    ``-S`` skips the ``.pth`` files of site-packages, among them the editable install's finder,
+    which would otherwise serve any module missing from the wheel out of the checkout; the
+    running environment's site-packages (torch, sympy, rich, ...) come after the wheel's folder.
+    """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=str(site), OMP_NUM_THREADS="1", COLUMNS="200", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONIOENCODING="utf-8")
-    return env
+    path = [str(site), *site_module.getsitepackages()]
+    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", COLUMNS="200",
+               PYTHONDONTWRITEBYTECODE="1", PYTHONIOENCODING="utf-8")
+    return [sys.executable, "-S"], env
 
 
 def test_the_wheel_holds_every_module_and_nothing_of_the_checkout(installed) -> None:
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
-    missing = [f"{dest}/{f.relative_to(ROOT / folder).as_posix()}"
-               for folder, dest in SOURCES.items() for f in (ROOT / folder).rglob("*.py")
-               if "__pycache__" not in f.parts]
+    src = installed["src"]  # the copy of the sources the wheel was built from
+    missing = [f"{dest}/{f.relative_to(src / folder).as_posix()}"
+               for folder, dest in SOURCES.items() for f in (src / folder).rglob("*.py")]
     missing = [m for m in missing if m not in names]
     assert not missing, f"not in the wheel (list the package in pyproject.toml `packages`): {missing}"
-    assert {n.split("/")[0] for n in names} == {"gradshard", "gradshard-0.1.0.dist-info"}
+    tops = {n.split("/")[0] for n in names}
+    assert tops - {"gradshard"} == {installed["wheel"].name.split("-py")[0] + ".dist-info"}, tops
     for needed in ("gradshard/examples/factories.py", "gradshard/examples/models/ssm.py",
                    "gradshard/examples/data.py", "gradshard/bench/results_md.py", "gradshard/bench/bench_seco.py"):
         assert needed in names
@@ -131,36 +144,40 @@ def test_the_wheel_holds_every_module_and_nothing_of_the_checkout(installed) -> 
 
 
 def test_demo_runs_from_an_empty_folder(installed) -> None:
-    script = installed["site"] / "bin" / "gradshard"
-    run = _run([sys.executable, str(script), "demo", "--steps", "2", "--seq-len", "128", "--batch", "2"],
-               cwd=installed["empty"], env=_env(installed["site"]))
+    python, env = _python(installed["site"])
+    folder = _empty_folder(installed, "demo")
+    script = installed["site"] / "bin" / "gradshard"  # the console script pip generated
+    run = _run([*python, str(script), "demo", "--steps", "2", "--seq-len", "128", "--batch", "2"],
+               cwd=folder, env=env)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert "gradshard demo" in out and "Python standard library" in out and "plan adjoint" in out
     assert "over 2 steps" in out and "lower than plain autograd" in out and "gradient difference" in out
-    assert not any(installed["empty"].iterdir()), "the demo wrote into the current folder"
+    assert not any(folder.iterdir()), "the demo wrote into the current folder"
 
 
 def test_cli_commands_from_an_empty_folder(installed) -> None:
-    folder = installed["empty"] / "user"
-    folder.mkdir()
+    folder = _empty_folder(installed, "commands")
     (folder / "my_model.py").write_text(FACTORY_FILE)
     commands = [
         ["factories"],
+        ["plans"],
         ["show", "gradshard.examples.factories:ssm_loop", "--plan", "adjoint", "--max-lines", "2"],
         ["show", "my_model.py:build", "--plan", "adjoint", "--max-lines", "2"],
-        ["cost", "llama", "--plan", "none,seco", "--seq-len", "1k,64k"],
-        ["whatif", "llama", "--plan", "none,seco", "--max-seq-len", "--memory", "80GB"],
+        ["cost", "ssm", "--plan", "none", "--seq-len", "1k,64k"],  # one cheap plan: pricing llama's
+        ["whatif", "ssm", "--plan", "none", "--max-seq-len", "--memory", "80GB"],  # seco takes a minute
         ["bench", "list"],
         ["bench", "hf"],
         ["show", "no_such_factory"],
         ["show", "my_model.py:nope"],
     ]
-    run = _run([sys.executable, "-c", DRIVER, json.dumps(commands)], cwd=folder, env=_env(installed["site"]))
+    python, env = _python(installed["site"])
+    run = _run([*python, "-c", DRIVER, json.dumps(commands)], cwd=folder, env=env)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     head, *parts = out.split("<<< ")
-    assert f"GRADSHARD_FILE {installed['site'].resolve()}" in head or f"GRADSHARD_FILE {installed['site']}" in head, head
+    ran = Path(head.split("GRADSHARD_FILE ", 1)[1].split("\n", 1)[0]).resolve()
+    assert ran.is_relative_to(installed["site"].resolve()), f"gradshard came from {ran}, not the wheel"
     got = {p.split("\n", 1)[0]: p for p in parts}
     assert len(got) == len(commands), out
 
@@ -170,13 +187,14 @@ def test_cli_commands_from_an_empty_folder(installed) -> None:
         return text
 
     assert "ssm_loop" in result("factories") and "linear_attention" in result("factories")
+    assert "truncated_adjoint" in result("plans") and "rewrite_chunked" in result("plans")
     shown = result("show", "gradshard.examples.factories:ssm_loop", "--plan", "adjoint", "--max-lines", "2")
     assert "linear_recurrence" in shown and "roll_loops" in shown and "Stage program" in shown
     mine = result("show", "my_model.py:build", "--plan", "adjoint", "--max-lines", "2")
     assert "linear_recurrence" in mine and "my_model.py" in mine and "h = a[:, t] * h + u[:, t]" in mine
-    cost = result("cost", "llama", "--plan", "none,seco", "--seq-len", "1k,64k")
-    assert "seco" in cost and "64k" in cost and "FLOP" in cost
-    assert "max seq len" in result("whatif", "llama", "--plan", "none,seco", "--max-seq-len", "--memory", "80GB")
+    cost = result("cost", "ssm", "--plan", "none", "--seq-len", "1k,64k")
+    assert "none" in cost and "64k" in cost and "FLOP" in cost
+    assert "max seq len" in result("whatif", "ssm", "--plan", "none", "--max-seq-len", "--memory", "80GB")
     listed = result("bench", "list")
     for name in ("adjoint", "seco", "kernels", "partial", "hf"):
         assert re.search(rf"^\W*{name} ", listed, re.M), name

@@ -1,6 +1,6 @@
 """Truncated adjoint states in O(T), streamed over time shards in reverse.
 
-``plan="truncated_adjoint"`` with window ``W`` (DESIGN.md; paper eq. 7) uses, for 0-based
+``plan="truncated_adjoint"`` with window ``W`` (docs/DESIGN.md; paper eq. 7) uses, for 0-based
 steps ``i < T``::
 
     lam_i = sum_{t=i}^{min(i+W-1, T-1)} (prod_{j=i+1}^{t} a_j) g_t       (dense: A_j^T, right to left)

@@ -1,7 +1,7 @@
 """Chunk-wise optimisation plans: ``seco`` (exact) and ``spaco`` (sparse, unbiased by default).
 
 Li et al., "Training Long-Context LLMs Efficiently via Chunk-wise Optimization"; semantics
-in DESIGN.md (``seco``, ``spaco``). Both plans share one pipeline; the plan name selects
+in docs/DESIGN.md (``seco``, ``spaco``). Both plans share one pipeline; the plan name selects
 whether the backward visits every chunk or a sampled subset (see
 :mod:`gradshard.plans.chunked.runtime`).
 """

@@ -18,14 +18,14 @@ signature but is no longer read, so the full weight gets no gradient (optimizers
 it); the slices get the exact gradient of their entries, and the input gradient still
 flows through every slice.
 
-Biases are not sliced. DESIGN.md splits *weights* into a trainable slice and frozen
+Biases are not sliced. docs/DESIGN.md splits *weights* into a trainable slice and frozen
 slices and says nothing of biases, so a sliced layer's bias stays the user's own
 ``nn.Parameter``, read from the graph like any other parameter, trained whole on every
 rank (like norms and embeddings) and receiving its full gradient.
 
 After compile, ``gs_attach`` registers the sliced layers on the ``CompiledModule`` as
 ``cm.partial`` (one shared layer per weight, reused by later captures) and gives it the
-DESIGN.md surface: ``cm.parameter_slices()``, ``cm.full_parameters(names=None)`` and
+docs/DESIGN.md surface: ``cm.parameter_slices()``, ``cm.full_parameters(names=None)`` and
 ``cm.load_full_parameters(params)`` (the interface the DiLoCo outer loop uses).
 """
 
@@ -196,7 +196,7 @@ class _Attach:
 
 
 class _CompiledPartial:
-    """DESIGN.md's partial-update surface of a CompiledModule (see module doc)."""
+    """docs/DESIGN.md's partial-update surface of a CompiledModule (see module doc)."""
 
     def __init__(self, cm: nn.Module) -> None:
         self.cm = cm

@@ -24,7 +24,7 @@ with split matmuls, so the skipped weight-gradient FLOPs (``2 * m * (out*in - |W
 for ``m`` tokens) are really skipped (paper, Appendix C.1). Frozen slices carry no
 gradient and, not being parameters, get no optimizer state.
 
-Slice metadata follows DESIGN.md: :func:`parameter_slices` returns
+Slice metadata follows docs/DESIGN.md: :func:`parameter_slices` returns
 ``{slice_name: (original_name, (dim, start, stop))}``; :func:`full_parameters` and
 :func:`load_full_parameters` convert between the sliced module and full weights under
 the original names (checkpoints, export, the DiLoCo outer loop).

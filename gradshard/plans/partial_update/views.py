@@ -1,7 +1,7 @@
 """Whole-model views of a sliced model: slice metadata, full parameters, state dicts.
 
 Every view speaks the original parameter names: :func:`parameter_slices` maps each
-trainable slice to ``(original_name, (dim, start, stop))`` (DESIGN.md),
+trainable slice to ``(original_name, (dim, start, stop))`` (docs/DESIGN.md),
 :func:`full_parameters` / :func:`load_full_parameters` read and write the full tensors
 (sliced weights reassembled), :func:`materialized_state_dict` is the unsliced model's state
 dict. :class:`FullEntry` with :func:`read_full` / :func:`write_full` is the one
