@@ -88,13 +88,6 @@ def _prepare(spec: Any, gm: fx.GraphModule, ctx: PassContext) -> list[PassRecord
                        created=(), erased=(), notes=tuple(notes), regions=(), seconds=time.perf_counter() - t0)]
 
 
-def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    g = fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    return g
-
-
 class CompiledModule(nn.Module):
     """What :func:`compile` returns: call it like the original; gradients land in its params.
 

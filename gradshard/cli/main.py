@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  gradshard show ./my_model.py:build --plan adjoint\n"
                "  gradshard cost llama --plan none,seco --seq-len 1k,64k,1M --device h100\n"
                "  gradshard whatif ssm --plan truncated_adjoint -o window=1024 --max-seq-len --memory 80GB\n"
+               "  gradshard whatif ssm --choose-plan --memory 2MB --example-seq-len 512\n"
                "  gradshard bench list\n"
                "  gradshard bench seco --quick\n"
                "  gradshard demo --steps 10",
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p, seq_len=False)
     p.add_argument("--plan", default="none", help="comma-separated plans")
     p.add_argument("--max-seq-len", action="store_true", help="report the longest sequence that fits --memory")
+    p.add_argument("--choose-plan", action="store_true",
+                   help="the plan and options gs.compile(plan='auto', memory_budget=--memory) would choose for "
+                        "the factory's example (--example-seq-len, --batch); --plan is ignored")
+    p.add_argument("--allow-approximate", action="store_true",
+                   help="with --choose-plan: also consider truncated_adjoint and spaco")
     p.add_argument("--memory", default=None, help="memory budget, e.g. 80GB, 24GiB (default: the --device memory, else 80GB)")
     p.add_argument("--device", default=None, help="device profile: its memory is the budget unless --memory is given")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot memory vs. sequence length per plan")

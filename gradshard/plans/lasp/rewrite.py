@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from gradshard.errors import GradshardError, node_error
 from gradshard.ir import Region
-from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass
 
 from gradshard.passes.detect_linear_attention import KIND, analyze_linear_attention
 from gradshard.plans.lasp.group import LaspGroup, check_same_program
@@ -127,9 +127,7 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     states = [f.spec.state_elements() for f in findings]
     signature = (len(findings), sum(states), len(params), sum(p[1].numel() for p in params), len(halos))
 
-    new_graph = fx.Graph()
-    out = new_graph.graph_copy(gm.graph, {})
-    new_graph.output(out)
+    new_graph = copy_graph(gm)
     new_gm = fx.GraphModule(gm, new_graph)
     nodes = {n.name: n for n in new_graph.nodes}
     notes = [group.describe()]
