@@ -59,6 +59,10 @@ from gradshard.plans.adjoint.tail import TailPlan, find_local_tails
 __all__ = ["rewrite_adjoint", "build_region_module", "VERIFY_MAX_LEN"]
 
 VERIFY_MAX_LEN = 4096  # example-input self-check of every region up to this captured length
+# The self-check runs on the example's first CHECK_LEN steps (the graph re-specialised to that
+# length), so its memory and time do not grow with the captured length; a graph that cannot be
+# re-specialised is checked at full length (up to VERIFY_MAX_LEN).
+CHECK_LEN = 256
 
 
 def _subgraph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[Optional[fx.Node]],
@@ -204,6 +208,36 @@ def _collect(gm: fx.GraphModule, plans: list[RegionPlan], remats: list[list[Inpu
     return col.values
 
 
+def _check_values(gm: fx.GraphModule, facts: Any, tl: Any, plans: list[RegionPlan],
+                  remats: list[list[InputRematPlan]], tails: list[TailPlan], example: list[Any],
+                  ) -> tuple[fx.GraphModule, int, dict[str, Any], str]:
+    """Boundary values for the self-check: on the example's first :data:`CHECK_LEN` steps when
+    the graph re-specialises to that length, else on the whole example.
+
+    Returns ``(graph the values come from, its length, values, note)``."""
+    T = int(tl.seq_len)
+    if T > CHECK_LEN:
+        try:
+            short = respecialize(gm, facts, T, CHECK_LEN, strict_scalars=True)
+            dims = [tl.time_inputs.get(ph.name) for ph in gm.graph.find_nodes(op="placeholder")]
+            sliced = [x.narrow(d, 0, CHECK_LEN) if d is not None and isinstance(x, torch.Tensor) else x
+                      for x, d in zip(example, dims)]
+            values = _collect(short, plans, remats, tails, sliced)
+            return short, CHECK_LEN, values, f"self-check on the example's first {CHECK_LEN} of {T} steps"
+        except (RespecializeError, RuntimeError, KeyError) as exc:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if T > VERIFY_MAX_LEN:
+                raise _Unchecked(f"self-check skipped: the graph does not re-specialise to {CHECK_LEN} steps "
+                                 f"({reason}) and T={T} > {VERIFY_MAX_LEN}") from exc
+            note = f"self-check at the full {T} steps (no re-specialisation to {CHECK_LEN}: {reason})"
+            return gm, T, _collect(gm, plans, remats, tails, example), note
+    return gm, T, _collect(gm, plans, remats, tails, example), f"self-check on the whole example ({T} steps)"
+
+
+class _Unchecked(Exception):
+    """The self-check cannot run at an affordable length (its message is the note to record)."""
+
+
 def _non_finite_input(gm: fx.GraphModule, example: Any) -> str | None:
     """The name of the first floating example input holding NaN or inf, if any."""
     for ph, x in zip(gm.graph.find_nodes(op="placeholder"), example):
@@ -235,11 +269,10 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     return err <= tol, err
 
 
-def _verify(plans: list[RegionPlan], modules: list[AdjointRegion], values: dict[str, Any]) -> list[str]:
-    """Run each region sharded (small shards) on the example inputs; compare with the graph."""
+def _verify(plans: list[RegionPlan], modules: list[AdjointRegion], values: dict[str, Any], T: int) -> list[str]:
+    """Run each region sharded (small shards) on the example inputs (``T`` steps); compare with the graph."""
     notes = []
     for p, mod in zip(plans, modules):
-        T = p.io.captured_len
         small = max(1, -(-T // 3))
         probe = AdjointRegion(mod.region_name, mod.producer, mod.readout, mod.facts, mod.scan, mod.io, plan="adjoint",
                               shard_size=small)
@@ -267,11 +300,16 @@ def _verify(plans: list[RegionPlan], modules: list[AdjointRegion], values: dict[
 
 def _verified_remats(gm: fx.GraphModule, plan: RegionPlan, remats: list[InputRematPlan], values: dict[str, Any],
                      ) -> tuple[list[InputRematPlan], list[str]]:
-    """The remats whose recomputation (on the whole example) reproduces the region input; notes."""
+    """The remats whose recomputation (on the example) reproduces the region input; notes.
+
+    ``gm`` is the graph the values were collected from (the captured one, or its
+    re-specialisation to the check length): the remat's nodes are taken from it by name."""
     ok, notes = [], []
+    by_name = {n.name: n for n in gm.graph.nodes}
     for r in remats:
         x = plan.inputs[r.index]
-        g = _subgraph(gm, list(r.leaves), list(r.nodes), [x], "remat_check")
+        g = _subgraph(gm, [by_name[n.name] for n in r.leaves], [by_name[n.name] for n in r.nodes], [by_name[x.name]],
+                      "remat_check")
         with torch.no_grad():
             got = g(*[values[leaf.name] for leaf in r.leaves])[0]
         good, err = _close(got, values[x.name])
@@ -282,7 +320,7 @@ def _verified_remats(gm: fx.GraphModule, plan: RegionPlan, remats: list[InputRem
     return ok, notes
 
 
-def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dict[str, Any],
+def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dict[str, Any], T: int,
                     ) -> tuple[list[TailPlan], list[LocalSegment], list[str]]:
     """The tails whose run in small shards reproduces the graph's values on the example; notes.
 
@@ -290,10 +328,9 @@ def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dic
     """
     keep_t, keep_m, notes = [], [], []
     for tail, seg in zip(tails, mods):
-        T = seg.captured_len
         small = max(1, -(-T // 3))
         probe = LocalSegment(seg.region_name, seg.graph_module, seg.facts, seg.input_time_dims, seg.output_time_dims,
-                             captured_len=T, shard_size=small)
+                             captured_len=seg.captured_len, shard_size=small)
         try:
             with torch.no_grad():
                 outs = probe(*[values[x.name] for x in tail.inputs])
@@ -413,7 +450,7 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         claimed.update(plan.producers, plan.readout, plan.covered_nodes)
         plans.append(plan)
     notes: list[str] = []
-    verify = bool(ctx.example_inputs) and tl.seq_len <= VERIFY_MAX_LEN
+    verify = bool(ctx.example_inputs)
     bad = _non_finite_input(new, ctx.example_inputs) if verify else None
     if bad is not None:
         verify = False
@@ -428,16 +465,23 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     remat_nodes = {n for rm in remats for r in rm for n in r.nodes}
     tails, tail_modules = _tails(new, tl, facts, region_groups, kept_anyway, shard, remat_nodes)
     _refuse_random_recompute([*(n for g in region_groups for n in g), *remat_nodes, *(n for t in tails for n in t.nodes)])
-    values = _collect(new, plans, remats, tails, list(ctx.example_inputs)) if verify else {}
+    check_gm, check_len, values = new, tl.seq_len, {}
     if verify:
-        checked = [_verified_remats(new, plan, rm, values) for plan, rm in zip(plans, remats)]
+        try:
+            check_gm, check_len, values, note = _check_values(new, facts, tl, plans, remats, tails,
+                                                              list(ctx.example_inputs))
+        except _Unchecked as skipped:
+            verify, note = False, str(skipped)
+        notes.append(note)
+    if verify:
+        checked = [_verified_remats(check_gm, plan, rm, values) for plan, rm in zip(plans, remats)]
         remats = [rm for rm, _ in checked]
         notes += [n for _, ns in checked for n in ns]
     modules = [build_region_module(new, plan, facts, f"adjoint_{i}", ctx.plan, shard, window, remats[i])
                for i, plan in enumerate(plans)]
     if verify:
-        notes += _verify(plans, modules, values)
-        tails, tail_modules, tail_notes = _verified_tails(tails, tail_modules, values)
+        notes += _verify(plans, modules, values, check_len)
+        tails, tail_modules, tail_notes = _verified_tails(tails, tail_modules, values, check_len)
         notes += tail_notes
     order = {n: i for i, n in enumerate(new.graph.nodes)}
     h_source = {n.name: source_of(n) for n in new.graph.nodes}
