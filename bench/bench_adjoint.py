@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the sha
 
 import gradshard as gs  # noqa: E402
 from gradshard.examples.models.ssm import SelectiveSSMLM, SSMConfig  # noqa: E402
+from gradshard.units import format_bytes
 from results_md import RESULTS, write_section  # noqa: E402
 
 HEADING = "## Adjoint sharding (issue 3)"
@@ -138,13 +139,6 @@ def measure_one(method: str, T: int, batch: int, shard: int, repeat: int, mlp: i
     return out
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
 
 def table(rows: list[dict]) -> str:
     base = {r["T"]: r for r in rows if r["method"] == "none"}
@@ -156,7 +150,7 @@ def table(rows: list[dict]) -> str:
         ratio_t = f"{r['seconds'] / b['seconds']:.2f}x" if b and b["seconds"] and r["seconds"] else "-"
         ratio_m = f"{b['peak'] / r['peak']:.1f}x" if b and r["peak"] else "-"
         ratio_c = f"{c['peak'] / r['peak']:.1f}x" if c and r["peak"] else "-"
-        lines.append(f"| {r['T']} | {r['label']} | {human(r['peak'])} | {human(r['saved'])} | {r['flops'] / 1e9:.1f} | "
+        lines.append(f"| {r['T']} | {r['label']} | {format_bytes(r['peak'])} | {format_bytes(r['saved'])} | {r['flops'] / 1e9:.1f} | "
                      f"{r['seconds']:.2f} s | {ratio_t} | {ratio_m} | {ratio_c} |")
     return "\n".join(lines)
 
@@ -188,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r = measure_one(method, T, args.batch, args.shard_size, args.repeat, args.mlp)
             rows.append(r)
-            print(f"T={T:6d} {r['label']:40s} peak {human(r['peak']):>10s} saved {human(r['saved']):>10s} "
+            print(f"T={T:6d} {r['label']:40s} peak {format_bytes(r['peak']):>10s} saved {format_bytes(r['saved']):>10s} "
                   f"{r['flops'] / 1e9:8.1f} GFLOP {r['seconds']:7.2f} s (first call {r['first_call_s']:.1f} s)",
                   flush=True)
     cpu = platform.processor() or platform.machine()

@@ -23,6 +23,7 @@ from .errors import GradshardError
 from .ir import PassRecord, Region
 from .pipeline import PassContext, copy_graph, run_passes
 from .plans import get_plan, plans
+from .compose import ComposedGraph, SegmentCompiler, compose_graph, mark_program
 from .schedule import Program, build_program
 
 __all__ = ["compile", "CompiledModule", "CompiledGraph", "backend", "plans", "compile_graph"]
@@ -52,7 +53,24 @@ class CompiledGraph:
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __call__(self, *flat: torch.Tensor) -> Any:
+        composed = self.extras.get("inductor")
+        if composed is not None and composed.source is self.gm:
+            return composed(*flat)
         return self.gm(*flat)
+
+
+def _with_inductor(entry: CompiledGraph, compiler: SegmentCompiler | None = None) -> CompiledGraph:
+    """Hand ``entry``'s plain segments to Inductor (or ``compiler``; :mod:`gradshard.compose`).
+
+    Idempotent. The composition is tied to ``entry.gm``: a re-specialised entry (a new graph)
+    is composed anew.
+    """
+    composed = entry.extras.get("inductor")
+    if not isinstance(composed, ComposedGraph) or composed.source is not entry.gm:
+        composed = compose_graph(entry.gm, compiler)
+        entry.extras["inductor"] = composed
+        entry.program = mark_program(entry.program, composed)
+    return entry
 
 
 #: ``serve(compiled_module, args, kwargs) -> CompiledGraph | None``: see ``register_specializer``.
@@ -98,11 +116,17 @@ class CompiledModule(nn.Module):
 
     def __init__(self, target: nn.Module | Callable[..., Any], plan: str = "none", *,
                  frontend: str = "python", time_axis: tuple[int, int] | None = None,
-                 backend: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE, **options: Any) -> None:
+                 backend: str | None = None, cache_size: int = DEFAULT_CACHE_SIZE, inductor: bool = False,
+                 **options: Any) -> None:
         super().__init__()
         spec = get_plan(plan)
         spec.make_options(**options)  # fail fast on bad options
         _check_compile_args(frontend, time_axis, backend, cache_size)
+        if not isinstance(inductor, bool):
+            raise GradshardError(f"inductor must be True or False, got {inductor!r}")
+        self.inductor = inductor
+        #: With ``inductor=True``: the segment compiler (None: Inductor; tests use cheaper ones).
+        self.segment_compiler: SegmentCompiler | None = None
         self.cache_size = cache_size
         self.plan = plan
         self.options = options
@@ -128,7 +152,7 @@ class CompiledModule(nn.Module):
         cap = entry.captured
         assert cap is not None
         flat = [*cap.call_state(), *cap.flat_inputs(args, kwargs)]
-        return cap.finish(list(entry.gm(*flat)))
+        return cap.finish(list(entry(*flat)))
 
     def _key(self, args: tuple, kwargs: dict) -> tuple:
         """The guards of a specialisation: the inputs' signature and the modules' state."""
@@ -152,6 +176,8 @@ class CompiledModule(nn.Module):
                     break
             else:
                 entry = self.specialize(args, kwargs)
+        if self.inductor:
+            entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
         return entry
 
@@ -322,22 +348,26 @@ class CompiledModule(nn.Module):
             change = f"changed: +{len(r.created)} -{len(r.erased)} nodes" if r.changed else "analysis"
             lines.append(f"  - {r.name} ({change}, {r.seconds * 1e3:.1f} ms): {r.doc}")
             lines += [f"      {n}" for n in r.notes]
+        if isinstance(e.extras.get("inductor"), ComposedGraph) and e.extras["inductor"].source is e.gm:
+            lines.append(e.extras["inductor"].describe())
         lines.append("program: " + e.program.describe())
         return "\n".join(lines)
 
 
 def compile(model_or_fn: nn.Module | Callable[..., Any], plan: str = "none", *, frontend: str = "python",
             time_axis: tuple[int, int] | None = None, backend: str | None = None,
-            cache_size: int = DEFAULT_CACHE_SIZE, **options: Any) -> CompiledModule:
+            cache_size: int = DEFAULT_CACHE_SIZE, inductor: bool = False, **options: Any) -> CompiledModule:
     """Compile ``model_or_fn`` with ``plan`` (see ``gs.plans()`` and docs/DESIGN.md for options).
 
     ``frontend`` picks the capture front door (``"python"``, ``"fx"``, ``"dynamo"``);
     ``time_axis=(input_index, dim)`` overrides time-axis inference; ``backend`` forces the
     kernel backend (``"torch"`` or ``"triton"``; default: Triton on CUDA, torch elsewhere);
-    ``cache_size`` bounds the specialisations kept (least recently used dropped first).
+    ``cache_size`` bounds the specialisations kept (least recently used dropped first);
+    ``inductor=True`` compiles the segments the plan does not rewrite with Inductor, forward
+    and backward (regions run as they are; :mod:`gradshard.compose`).
     """
     return CompiledModule(model_or_fn, plan, frontend=frontend, time_axis=time_axis, backend=backend,
-                          cache_size=cache_size, **options)
+                          cache_size=cache_size, inductor=inductor, **options)
 
 
 def _check_compile_args(frontend: Any, time_axis: Any, backend: Any, cache_size: Any) -> None:
@@ -367,15 +397,19 @@ def _guard_change(old: tuple, new: tuple) -> str:
     return "a module's training mode changed (train()/eval())"
 
 
-def backend(plan: str = "none", *, kernel_backend: str | None = None,
+def backend(plan: str = "none", *, kernel_backend: str | None = None, inductor: bool = True,
             **options: Any) -> Callable[[fx.GraphModule, list], Callable[..., Any]]:
     """A ``torch.compile`` backend running gradshard's pipeline on Dynamo's graph.
 
     ``torch.compile(model, backend=gs.backend(plan="adjoint", shard_size=128))``. Dynamo
     lifts parameters to graph inputs, so gradients reach the model's own parameters.
-    The compiled graphs are kept on the returned function's ``compiled`` list.
+    The segments the plan does not rewrite are compiled by Inductor, forward and backward
+    (``inductor=False``: the rewritten graph runs eagerly). The compiled graphs are kept on
+    the returned function's ``compiled`` list.
     """
     get_plan(plan).make_options(**options)
+    if not isinstance(inductor, bool):
+        raise GradshardError(f"inductor must be True or False, got {inductor!r}")
     compiled: list[CompiledGraph] = []
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -383,10 +417,12 @@ def backend(plan: str = "none", *, kernel_backend: str | None = None,
             raise GradshardError("gs.backend needs static shapes: use torch.compile(..., dynamic=False)")
         aten_gm = capture_graph_module(gm, example_inputs)
         entry = compile_graph(aten_gm, example_inputs, plan, options, backend=kernel_backend)
+        if inductor:
+            entry = _with_inductor(entry)
         compiled.append(entry)
 
         def run(*args: Any) -> Any:
-            return tuple(entry.gm(*args))
+            return tuple(entry(*args))
 
         return run
 

@@ -8,14 +8,15 @@ with what the operating system saw (RSS) and with the CPU allocator's own count.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
 import torch
 import torch._dynamo.utils
 
-import gradshard as gs
-from gradshard.measure import CpuAllocatorTrace, PeakRss, measure, step
+from gradshard.measure import (CpuAllocatorTrace, LiveTensorTracker, PeakRss, SavedTensorRecorder, measure,
+                               record_saved, step)
 
 N = 10 * 2**20  # 40 MiB per float32 tensor: above glibc's largest mmap threshold (32 MiB), so
 # every tensor is its own mapping and RSS rises and falls with the allocator.
@@ -28,6 +29,12 @@ def _sigmoid_chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for _ in range(4):
         h = torch.sigmoid(h * w)
     return h.sum()
+
+
+@functools.cache
+def _compiled_chain():
+    """One Inductor compilation of the chain, shared by the tests (compiling takes seconds)."""
+    return torch.compile(_sigmoid_chain)
 
 
 def _unique_graphs() -> int:
@@ -45,7 +52,7 @@ def _rss_of_step(fn, *args) -> int:
 def test_inductor_step_is_measured_compiled_and_agrees_with_rss() -> None:
     torch.manual_seed(0)
     x, w = torch.randn(N), torch.randn(N, requires_grad=True)
-    compiled = torch.compile(_sigmoid_chain)
+    compiled = _compiled_chain()
     compiled(x, w).backward()  # compile outside the measurements
     expected_grad, w.grad = w.grad, None
 
@@ -104,10 +111,29 @@ def test_flops_inside_compiled_code_are_counted() -> None:
 
 
 def test_profiler_already_running_is_reported_not_hidden() -> None:
-    compiled = torch.compile(lambda x: x.exp().sum(), backend="aot_eager")
-    x = torch.randn(100, requires_grad=True)
-    compiled(x).backward()
+    """Without the allocator trace (a profiler of the user's holds the session) the measurement
+    says so, and falls back to the tracker's peak, which misses Inductor's buffers."""
+    x, w = torch.randn(N), torch.randn(N, requires_grad=True)
+    compiled = _compiled_chain()
+    compiled(x, w).backward()
+    w.grad = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        m = measure(step(compiled), x, repeat=0)
+        m = measure(step(compiled), x, w, repeat=0)
     assert m.compiled_regions is None and m.allocator_peak_bytes is None
+    assert m.peak_source == "tracker" and m.peak_bytes < 4 * N  # not even w.grad's 40 MiB
     assert any("could not be traced" in note for note in m.notes)
+    assert w.grad is not None
+
+
+def test_saved_recorder_sees_a_backward_by_its_unpacks() -> None:
+    """A compiled backward may dispatch no op the tracker sees; it still unpacks what its forward
+    saved, which is how ``measure`` knows a backward ran."""
+    x = torch.randn(7, requires_grad=True)
+    tracker = LiveTensorTracker()
+    forward_only, both = SavedTensorRecorder(tracker), SavedTensorRecorder(tracker)
+    with tracker, record_saved(both):
+        with record_saved(forward_only):  # nested: the inner hooks serve both recorders
+            y = x.exp().sum()
+        assert forward_only.unpacked == both.unpacked == 0 and forward_only.activation_bytes == 28
+        y.backward()  # ExpBackward unpacks its saved output
+    assert forward_only.unpacked == both.unpacked == 1

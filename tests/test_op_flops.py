@@ -1,6 +1,6 @@
 """FLOPs of gradshard's custom ops through torch.utils.flop_counter: counted by their formulas.
 
-Each op is counted once, by the formula in ``gradshard.op_flops`` (the aten ops inside its
+Each op is counted once, by the formula registered beside it in ``gradshard.ops`` (the aten ops inside its
 implementation run below the counter and add nothing), by ``gs.measure`` and by a plain
 ``FlopCounterMode`` alike; a model built from them counts exactly the formula-predicted total.
 """
@@ -12,15 +12,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import gradshard as gs
-from gradshard.measure import StepFlopCounter, measure, register_flop_formulas
-from gradshard.op_flops import (
-    adjoint_shard_flops,
-    dense_linear_scan_flops,
-    lightning_attention_backward_flops,
-    lightning_attention_flops,
-    linear_scan_flops,
-    register_op_flop_formulas,
-)
+from gradshard.measure import StepFlopCounter, measure
+from gradshard.ops.adjoint_shard import adjoint_shard_flops
+from gradshard.ops.dense_scan import dense_linear_scan_flops
+from gradshard.ops.lightning import lightning_attention_backward_flops, lightning_attention_flops
+from gradshard.ops.linear_scan import linear_scan_flops
 
 B, T, D = 3, 11, 5  # odd sizes: T is not a multiple of any chunk
 
@@ -30,10 +26,7 @@ def _mm(m: int, k: int, n: int) -> int:
     return 2 * m * k * n
 
 
-def test_registration_is_idempotent_and_in_torchs_registry() -> None:
-    register_op_flop_formulas()
-    register_op_flop_formulas()
-    register_flop_formulas()
+def test_every_custom_op_has_its_formula_in_torchs_registry() -> None:
     for name in ("linear_scan", "dense_linear_scan", "adjoint_shard", "lightning_attention",
                  "lightning_attention_backward"):
         assert getattr(torch.ops.gradshard, name) in flop_registry, name

@@ -28,7 +28,9 @@ def run_demo(console: Console, *, plan: str, steps: int, seq_len: int, batch: in
     from gradshard.examples.data import iterate_batches, load_corpus
     from gradshard.examples.models.ssm import SelectiveSSMLM, SSMConfig
 
-    from .render import human_bytes, program_summary, regions_table
+    from gradshard.units import format_bytes, format_flops
+
+    from .render import program_summary, regions_table
 
     torch.manual_seed(0)
     spec = get_plan(plan)
@@ -96,7 +98,7 @@ def run_demo(console: Console, *, plan: str, steps: int, seq_len: int, batch: in
     for c in ("", "peak memory", "saved for backward", "FLOPs", "time"):
         t.add_column(c, justify="right")
     for name, m in ((f"plan {plan}", m_plan), ("plain autograd", m_none)):
-        t.add_row(name, human_bytes(m.peak_bytes), human_bytes(m.saved_bytes), f"{m.flops / 1e9:.2f} G",
+        t.add_row(name, format_bytes(m.peak_bytes), format_bytes(m.saved_bytes), format_flops(m.flops),
                   f"{m.seconds * 1e3:.0f} ms")
     console.print(t)
     console.print(f"loss {losses[0]:.3f} -> {sum(losses[-5:]) / min(5, len(losses)):.3f} over {steps} steps "

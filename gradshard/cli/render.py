@@ -12,24 +12,10 @@ from rich.text import Text
 from gradshard.api import CompiledGraph
 from gradshard.ir import PassRecord, Region
 from gradshard.schedule import Program
+from gradshard.units import format_bytes, format_count
 
-__all__ = ["regions_table", "pass_panel", "program_table", "graph_text", "human_bytes", "human_count"]
+__all__ = ["regions_table", "pass_panel", "program_table", "graph_text"]
 
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f}"
-
-
-def human_count(n: float) -> str:
-    for unit in ("", "K", "M", "G", "T", "P"):
-        if abs(n) < 1000 or unit == "P":
-            return f"{n:,.0f}{unit}" if unit == "" else f"{n:,.2f}{unit}"
-        n /= 1000
-    return f"{n:.1f}"
 
 
 def regions_table(regions: tuple[Region, ...]) -> Table:
@@ -95,15 +81,15 @@ def pass_panel(index: int, rec: PassRecord, max_lines: int | None) -> Panel:
 
 def program_table(program: Program) -> Table:
     t = Table(title=f"Stage program ({len(program.stages)} stages, est. peak "
-                    f"{human_bytes(program.estimated_peak_bytes())}, {human_count(program.total_flops)} FLOPs)",
+                    f"{format_bytes(program.estimated_peak_bytes())}, {format_count(program.total_flops)} FLOPs)",
               title_justify="left")
     for col in ("#", "phase", "kind", "stage", "region", "memory", "FLOPs", "kernel"):
         t.add_column(col, justify="right" if col in ("#", "memory", "FLOPs") else "left",
                      overflow="fold", no_wrap=col in ("#", "memory", "FLOPs"))
     for i, s in enumerate(program.stages):
         style = "magenta" if s.phase == "backward" else ""
-        t.add_row(str(i), s.phase, s.kind, s.name, s.region or "", human_bytes(s.memory_bytes),
-                  human_count(s.flops), s.kernel, style=style)
+        t.add_row(str(i), s.phase, s.kind, s.name, s.region or "", format_bytes(s.memory_bytes),
+                  format_count(s.flops), s.kernel, style=style)
     return t
 
 
@@ -120,13 +106,13 @@ def summary_panel(entry: CompiledGraph, gradient: str) -> Panel:
 def program_summary(program: Program) -> Table:
     """Stages grouped by phase and kind (the full list is `gradshard show`'s)."""
     t = Table(title=f"Stage program: {len(program.stages)} stages, est. peak "
-                    f"{human_bytes(program.estimated_peak_bytes())}", title_justify="left")
+                    f"{format_bytes(program.estimated_peak_bytes())}", title_justify="left")
     for col in ("phase", "kind", "stages", "largest memory", "FLOPs", "kernels"):
         t.add_column(col, justify="right" if col in ("stages", "largest memory", "FLOPs") else "left")
     groups: dict[tuple[str, str], list] = {}
     for st in program.stages:
         groups.setdefault((st.phase, st.kind), []).append(st)
     for (phase, kind), sts in groups.items():
-        t.add_row(phase, kind, str(len(sts)), human_bytes(max(x.memory_bytes for x in sts)),
-                  human_count(sum(x.flops for x in sts)), ", ".join(sorted({x.kernel for x in sts})))
+        t.add_row(phase, kind, str(len(sts)), format_bytes(max(x.memory_bytes for x in sts)),
+                  format_count(sum(x.flops for x in sts)), ", ".join(sorted({x.kernel for x in sts})))
     return t

@@ -37,7 +37,19 @@ from .devices import DeviceProfile, RooflineEstimate, get_device, roofline_secon
 from .fit import Fit
 from .units import format_bytes, format_flops
 
-__all__ = ["CostReport", "QUANTITIES", "BYTE_QUANTITIES"]
+__all__ = ["CostReport", "QUANTITIES", "BYTE_QUANTITIES", "bisect_last"]
+
+
+def bisect_last(holds: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest ``n`` in ``[lo, hi)`` with ``holds(n)``, given ``holds(lo)``, ``not holds(hi)``
+    and ``holds`` monotone (true, then false)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 QUANTITIES = ("activation_bytes", "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "input_bytes",
               "total_bytes", "flops_fwd", "flops_bwd", "flops", "comm_bytes", "hbm_bytes")
@@ -159,13 +171,7 @@ class CostReport:
             lo, hi = hi, hi * 2
         if hi * step > limit:
             return lo * step if not fits(limit // step * step) else limit // step * step
-        while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
-            mid = (lo + hi) // 2
-            if fits(mid * step):
-                lo = mid
-            else:
-                hi = mid
-        return lo * step
+        return bisect_last(lambda k: fits(k * step), lo, hi) * step
 
     # ------------------------------------------------------------------ display
 

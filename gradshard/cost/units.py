@@ -46,6 +46,14 @@ def _to_int(value: float, text: str, what: str) -> int:
     return int(rounded)
 
 
+def _parse_with_unit(pattern: re.Pattern[str], s: str, what: str, use: str) -> int:
+    """``s`` read by ``pattern`` (a number and an optional unit) as a whole ``what``."""
+    m = pattern.match(s)
+    if not m:
+        raise ValueError(f"cannot read {s!r} as a {what}: use {use}")
+    return _to_int(float(m["num"].replace("_", "")) * _scale(m["unit"]), s, what)
+
+
 def parse_count(text: str | int) -> int:
     """``"64k" -> 64000``, ``"1M" -> 1000000``, ``"64Ki" -> 65536``, ``"2^20" -> 1048576``."""
     if isinstance(text, bool):
@@ -58,13 +66,8 @@ def parse_count(text: str | int) -> int:
     m = _POWER_RE.match(s)
     if m:
         return int(m["base"]) ** int(m["exp"])
-    m = _COUNT_RE.match(s)
-    if not m:
-        raise ValueError(
-            f"cannot read {text!r} as a count: use digits with an optional k/M/G/T suffix "
-            "(decimal: 1k = 1000) or Ki/Mi/Gi (binary: 1Ki = 1024), e.g. '64k', '1M', '2^20'"
-        )
-    return _to_int(float(m["num"].replace("_", "")) * _scale(m["unit"]), s, "count")
+    return _parse_with_unit(_COUNT_RE, s, "count", "digits with an optional k/M/G/T suffix (decimal: 1k = 1000) "
+                            "or Ki/Mi/Gi (binary: 1Ki = 1024), e.g. '64k', '1M', '2^20'")
 
 
 def parse_counts(text: str | int | list | tuple) -> list[int]:
@@ -86,10 +89,5 @@ def parse_bytes(text: str | int | float) -> int:
     if isinstance(text, (int, float)):
         return _to_int(float(text), str(text), "byte size")
     s = str(text).strip()
-    m = _BYTES_RE.match(s)
-    if not m:
-        raise ValueError(
-            f"cannot read {text!r} as a byte size: use a number with a unit such as '80GB' "
-            "(decimal, 10^9) or '80GiB' (binary, 2^30), e.g. '24GB', '512MiB', '1.5TB'"
-        )
-    return _to_int(float(m["num"].replace("_", "")) * _scale(m["unit"]), s, "byte size")
+    return _parse_with_unit(_BYTES_RE, s, "byte size", "a number with a unit such as '80GB' (decimal, 10^9) "
+                            "or '80GiB' (binary, 2^30), e.g. '24GB', '512MiB', '1.5TB'")

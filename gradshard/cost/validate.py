@@ -24,7 +24,7 @@ import torch
 from gradshard.errors import GradshardError
 from gradshard.cost.build import cost
 from gradshard.cost.probe import make_step
-from gradshard.cost.report import CostReport
+from gradshard.cost.report import CostReport, bisect_last
 
 __all__ = ["ValidationRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
            "bisect_max_seq_len", "plan_applies"]
@@ -167,10 +167,4 @@ def bisect_max_seq_len(factory: Factory, plan: str, options: Mapping[str, Any], 
         return 0
     if fits(b * step):
         return b * step
-    while b - a > 1:  # fits(a), not fits(b)
-        mid = (a + b) // 2
-        if fits(mid * step):
-            a = mid
-        else:
-            b = mid
-    return a * step
+    return bisect_last(lambda k: fits(k * step), a, b) * step

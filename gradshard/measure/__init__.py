@@ -16,15 +16,17 @@ state, existing ``.grad``):
   On CPU: the :class:`LiveTensorTracker`'s count of storages created by dispatched ops (exact,
   and the same count the cost model's probes make on fake tensors) -- unless
   ``torch.compile``'d code ran, whose buffers bypass the dispatcher: then the CPU allocator's
-  own count, from ``torch.profiler``'s memory events (:class:`allocator.CpuAllocatorTrace`).
-  ``peak_source`` says which; ``allocator_peak_bytes`` is the allocator's number whenever it was
-  recorded, ``tracked_peak_bytes`` the tracker's.
+  own count, from ``torch.profiler``'s memory events (:class:`allocator.CpuAllocatorTrace`,
+  engaged once the process has compiled anything, one thread at a time, and not while another
+  profiler runs). ``peak_source`` says which; ``allocator_peak_bytes`` is the allocator's number
+  whenever it was recorded, ``tracked_peak_bytes`` the tracker's; ``notes`` says what could not
+  be seen.
 - ``saved_bytes``: distinct storages saved for backward (``saved_tensors_hooks``) that were
   allocated during the step, i.e. activations; ``saved_bytes_total`` includes those that
   predate it (:mod:`saved`).
 - ``flops``: ``torch.utils.flop_counter.FlopCounterMode`` over the whole step, with gradshard's
   custom ops and the fused CPU attention kernels registered in its formula registry
-  (:mod:`flops`, :mod:`gradshard.op_flops`); ``backward_flops`` are those of ops run by the
+  (:mod:`flops`; the custom ops' formulas are registered by :mod:`gradshard.ops`); ``backward_flops`` are those of ops run by the
   autograd engine (including recomputation), ``forward_flops`` the rest.
 - ``seconds``: median wall time of ``repeat`` uninstrumented calls (synchronized on CUDA).
   Memory and FLOPs come from one separate instrumented call.
@@ -46,7 +48,7 @@ from gradshard.units import format_bytes, format_flops
 
 from .allocator import CpuAllocatorTrace, CudaPeak
 from .devices import describe_device
-from .flops import StepFlopCounter, register_flop_formulas
+from .flops import StepFlopCounter
 from .result import Measurement
 from .rss import PeakRss
 from .run import StepContractError, measure, step
@@ -69,7 +71,6 @@ __all__ = [
     "format_flops",
     "measure",
     "record_saved",
-    "register_flop_formulas",
     "step",
 ]
 

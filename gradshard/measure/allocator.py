@@ -8,7 +8,7 @@
   Unlike a dispatch mode it sees the buffers compiled code allocates. It costs a profiler
   session (slow to start the first time in a process), so ``gs.measure`` uses it only when
   compiled code may run (:func:`compiled_code_may_run`); it is unavailable while another
-  profiler is running.
+  profiler is running or another thread traces (one session per process).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -101,6 +102,10 @@ def _quiet_stderr() -> Iterator[None]:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
+# One profiler session per process: two threads starting sessions at once crash in libkineto.
+_SESSION = threading.Lock()
+
+
 def _profiler_running() -> bool:
     from torch.autograd import profiler as autograd_profiler
 
@@ -131,24 +136,42 @@ class CpuAllocatorTrace:
         self._profile: Any = None
 
     def __enter__(self) -> CpuAllocatorTrace:
+        if not _SESSION.acquire(blocking=False):
+            self.why_unavailable = "another thread is tracing the allocator"
+            return self
+        try:
+            self._start()
+        finally:
+            if self._profile is None:
+                _SESSION.release()
+        return self
+
+    def _start(self) -> None:
         if _profiler_running():
             self.why_unavailable = "another torch.profiler session is running"
-            return self
+            return
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._profile = profile(activities=activities, profile_memory=True)
-        with _quiet_stderr():
-            self._profile.__enter__()
+        prof = profile(activities=activities, profile_memory=True)
+        try:
+            with _quiet_stderr():
+                prof.__enter__()
+        except RuntimeError as exc:  # e.g. a profiler session torch does not report as running
+            self.why_unavailable = f"torch.profiler did not start: {exc}"
+            return
+        self._profile = prof
         self.available = True
-        return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._profile is None:
             return
         prof, self._profile = self._profile, None
-        with _quiet_stderr():
-            prof.__exit__(exc_type, exc, tb)
+        try:
+            with _quiet_stderr():
+                prof.__exit__(exc_type, exc, tb)
+        finally:
+            _SESSION.release()
         if exc_type is None:
             self._read(prof.profiler.kineto_results)
 

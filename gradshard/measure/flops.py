@@ -10,8 +10,9 @@ registry decide what counts (matmuls, convolutions, attention; pointwise ops are
   dispatches (extern matmul kernels such as ``aten.mm.out``, convolutions, attention, custom ops
   -- what holds the FLOPs). Arithmetic Inductor generates inline (pointwise, and matmuls it
   decomposes for degenerate shapes) is not seen, as pointwise ops are free anyway;
-- formulas torch's registry lacks, registered there by :func:`register_flop_formulas`:
-  gradshard's custom ops (:mod:`gradshard.op_flops`) and the fused CPU attention kernels.
+- the formulas torch's registry lacks are registered there by :mod:`gradshard.ops` (each
+  custom op beside its definition; :mod:`gradshard.ops.aten_flops` for the fused CPU
+  attention kernels), so a plain ``FlopCounterMode`` counts exactly what this one does.
 
 No per-module breakdown (``FlopCounterMode``'s module tracker hooks every module call; only
 the ``"Global"`` counts are kept).
@@ -19,55 +20,16 @@ the ``"Global"`` counts are kept).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import (
-    FlopCounterMode,
-    _FlopCounterMode,
-    flop_registry,
-    register_flop_formula,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
-from gradshard.op_flops import register_op_flop_formulas
+import gradshard.ops  # noqa: F401  (registers the custom ops' FLOP formulas)
 
 from .tracker import graph_task_id
 
-__all__ = ["StepFlopCounter", "register_flop_formulas"]
-
-_aten = torch.ops.aten
-_REGISTER_LOCK = threading.Lock()
-
-
-def _cpu_flash_attention_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_flash_attention_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-# The fused CPU attention kernels, counted with torch's formulas for the GPU ones (two matmuls
-# forward; backward five, as flash kernels recompute the scores).
-_ATEN_EXTRAS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flop,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flop,
-}
-
-
-def register_flop_formulas() -> None:
-    """Register every formula gradshard adds to ``torch.utils.flop_counter`` (idempotent).
-
-    After this, a plain ``FlopCounterMode`` counts exactly what :class:`StepFlopCounter` does.
-    """
-    with _REGISTER_LOCK:
-        for packet, formula in _ATEN_EXTRAS.items():
-            if packet not in flop_registry:
-                register_flop_formula(packet)(formula)
-        register_op_flop_formulas()
+__all__ = ["StepFlopCounter"]
 
 
 class _CompiledRuntimeMode(_FlopCounterMode):
@@ -95,7 +57,6 @@ class StepFlopCounter(FlopCounterMode):
     """
 
     def __init__(self) -> None:
-        register_flop_formulas()
         super().__init__(display=False)
         self.backward_flops = 0
         """FLOPs of ops run by the autograd engine."""

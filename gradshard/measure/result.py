@@ -41,11 +41,12 @@ class Measurement:
     """``'tracker'`` (storages created by dispatched ops), ``'cpu_allocator'`` (torch.profiler's
     memory events, when compiled code ran on CPU) or ``'cuda_allocator'``."""
     tracked_peak_bytes: int
-    """Peak from :class:`LiveTensorTracker` (equals ``peak_bytes`` off CUDA)."""
+    """Peak from :class:`LiveTensorTracker` (equals ``peak_bytes`` when the source is the tracker)."""
     retained_bytes: int
-    """Bytes allocated during the step still alive after it returned (e.g. new ``.grad``)."""
+    """Bytes allocated during the step still alive after it returned (e.g. new ``.grad``); the
+    CPU allocator's count when it gave the peak, else the tracker's."""
     allocated_bytes: int
-    """Total bytes of all storages allocated during the step (the tracker's count)."""
+    """Total bytes allocated during the step, freed or not (same source as ``retained_bytes``)."""
     peak_op: str | None
     """The op whose output set the tracked peak."""
     peak_phase: str

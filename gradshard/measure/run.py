@@ -112,7 +112,8 @@ def measure(
     traced = trace is not None and trace.available
     if traced:
         recorder.settle(trace.allocated_ptrs)
-    backward_ran = tracker.backward_ops > 0 or (traced and trace.autograd_nodes > 0)
+    # A compiled backward may dispatch no op at all; it still unpacks what its forward saved.
+    backward_ran = tracker.backward_ops > 0 or recorder.unpacked > 0 or (traced and trace.autograd_nodes > 0)
     if needs_backward and not backward_ran:
         raise StepContractError(
             "measure: step_fn returned a tensor that requires grad, but no backward pass ran. "

@@ -46,6 +46,8 @@ class SavedTensorRecorder:
         """Bytes of saved storages allocated during the region."""
         self.total_bytes = 0
         """Bytes of all saved storages, including those that predate the region."""
+        self.unpacked = 0
+        """How many saved tensors were unpacked (by a backward, on any thread) -- 0: no backward used any."""
 
     def add(self, t: torch.Tensor) -> None:
         """Record one saved tensor (called by the pack hook)."""
@@ -117,19 +119,26 @@ def _pack_saved(t: torch.Tensor) -> torch.Tensor:
     return t.detach()  # subclasses need their own dispatch
 
 
-def _unpack_saved(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class record_saved:  # noqa: N801 - used like a function: ``with record_saved(recorder):``
     """Context manager: install the pack hooks and make ``recorder`` record on this thread."""
 
     def __init__(self, recorder: SavedTensorRecorder):
         self._recorder = recorder
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack_saved, _unpack_saved)
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def __enter__(self) -> SavedTensorRecorder:
-        active_saved_recorders().append(self._recorder)
+        stack = active_saved_recorders()
+        stack.append(self._recorder)
+        recorders = tuple(stack)  # this one and the enclosing ones: a backward ran for all of them
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            # Called where the backward runs: the autograd engine's device threads included,
+            # which do not share the thread-local stack, hence the snapshot.
+            for recorder in recorders:
+                recorder.unpacked += 1
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_pack_saved, unpack)
         try:
             self._hooks.__enter__()
         except BaseException:
@@ -139,7 +148,8 @@ class record_saved:  # noqa: N801 - used like a function: ``with record_saved(re
 
     def __exit__(self, *exc: object) -> None:
         try:
-            self._hooks.__exit__(*exc)
+            if self._hooks is not None:
+                self._hooks.__exit__(*exc)
         finally:
             stack = active_saved_recorders()
             if self._recorder in stack:

@@ -7,14 +7,16 @@ the analyses read never hold it: it has no time or dims rule.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from gradshard.kernels.adjoint import run_adjoint_shard, shard_dtypes
+from gradshard.ops.linear_scan import Shape, linear_scan_flops
 
-__all__ = ["ADJOINT_SHARD"]
+__all__ = ["ADJOINT_SHARD", "adjoint_shard_flops"]
 
 ADJOINT_SHARD = "gradshard::adjoint_shard"
 
@@ -33,3 +35,19 @@ def _adjoint_shard_fake(a, u, g, h0, lam_carry, backend):
     return a.new_empty(a.shape, dtype=da_t), u.new_empty(u.shape, dtype=du_t), u.new_empty(
         (u.shape[0], *u.shape[2:]), dtype=dh_t
     )
+
+
+# --------------------------------------------------------------------------- FLOPs (FlopCounterMode)
+
+def adjoint_shard_flops(u_shape: Shape) -> int:
+    """One shard's gradients: the forward scan recomputing ``h`` and the reverse scan of ``lam``."""
+    return 2 * linear_scan_flops(u_shape)
+
+
+def _adjoint_shard_formula(a: Shape, u: Shape, g: Shape, h0: Optional[Shape] = None,
+                           lam_carry: Optional[Shape] = None, backend: Optional[str] = None, *,
+                           out_shape: Any = None, **_: Any) -> int:
+    return adjoint_shard_flops(u)
+
+
+register_flop_formula(torch.ops.gradshard.adjoint_shard)(_adjoint_shard_formula)

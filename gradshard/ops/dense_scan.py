@@ -7,18 +7,20 @@ past along dim 1) and dims rule (the scan rule of :mod:`gradshard.ops.linear_sca
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from gradshard.analysis import locality
 from gradshard.analysis.dims import register_dim_rule
 from gradshard.kernels.dense_scan import check_dense_args, dense_adjoint_shard, dense_scan
-from gradshard.ops.linear_scan import LINEAR_SCAN, scan_dims_rule
+from gradshard.ops.linear_scan import LINEAR_SCAN, Shape, scan_dims_rule
 
-__all__ = ["DENSE_SCAN", "dense_linear_scan", "is_scan_op"]
+__all__ = ["DENSE_SCAN", "dense_linear_scan", "is_scan_op", "dense_linear_scan_flops"]
 
 DENSE_SCAN = "gradshard::dense_linear_scan"
 
@@ -64,3 +66,17 @@ def is_scan_op(node: fx.Node) -> bool:
 
 register_dim_rule(torch.ops.gradshard.dense_linear_scan, DENSE_SCAN)(scan_dims_rule)
 locality.register_time_op(DENSE_SCAN, time_dim=1, reach=locality.ALL_PAST)
+
+
+# --------------------------------------------------------------------------- FLOPs (FlopCounterMode)
+
+def dense_linear_scan_flops(h_shape: Shape, state_size: int) -> int:
+    """``h_t = A_t @ h_{t-1} + u_t`` with ``A_t`` ``n x n``: ``2 n`` per element of ``h``."""
+    return 2 * math.prod(h_shape) * state_size
+
+
+def _dense_scan_formula(A: Shape, u: Shape, h0: Optional[Shape] = None, *, out_shape: Any = None, **_: Any) -> int:
+    return dense_linear_scan_flops(out_shape if out_shape is not None else u, A[-1])
+
+
+register_flop_formula(torch.ops.gradshard.dense_linear_scan)(_dense_scan_formula)

@@ -22,15 +22,16 @@ the past along dim 2). Kernels: :mod:`gradshard.kernels.lightning`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from gradshard.analysis import locality
 from gradshard.kernels.lightning import lightning_dtypes, run_lightning_backward, run_lightning_forward
 
-__all__ = ["LIGHTNING"]
+__all__ = ["LIGHTNING", "lightning_attention_flops", "lightning_attention_backward_flops"]
 
 LIGHTNING = "gradshard::lightning_attention"
 
@@ -88,3 +89,56 @@ def _backward(ctx, grad_o: Optional[Tensor], grad_state: Optional[Tensor]):
 _lightning_op.register_autograd(_backward, setup_context=_setup_context)
 
 locality.register_time_op(LIGHTNING, time_dim=2, reach=locality.ALL_PAST)
+
+
+# --------------------------------------------------------------------------- FLOPs (FlopCounterMode)
+
+Shape = Sequence[Any]
+
+
+def lightning_attention_flops(q_shape: Shape, v_shape: Shape, chunk_size: int) -> int:
+    """Forward of chunked linear attention, per batch and head: every step's query meets a block
+    of ``C = chunk_size`` keys, and every block updates the state, i.e. per block of ``C`` steps::
+
+        Q K^T (2 C^2 dk), (.. * M) V (2 C^2 dv), (P * Q) S (2 C dk dv), (Gam * K)^T V (2 C dk dv)
+
+    Linear in the length ``T`` (``T / C`` blocks); exact when ``C`` divides ``T`` (a shorter last
+    block is counted as a full one).
+    """
+    b, h, length, dk = q_shape
+    dv = v_shape[-1]
+    return b * h * length * (2 * chunk_size * (dk + dv) + 4 * dk * dv)
+
+
+def lightning_attention_backward_flops(q_shape: Shape, v_shape: Shape, chunk_size: int, has_decay: bool) -> int:
+    """Backward of chunked linear attention (``gradshard.kernels.lightning_torch``), per block of ``C``:
+
+    the scores ``Q K^T`` and ``dO V^T`` again and ``dQ``, ``dK``, ``dV`` from them
+    (``2 C^2 (3 dk + 2 dv)``), the states recomputed and carried back (five ``2 C dk dv``
+    products); with a decay, its gradient adds two ``2 C dk dv`` products, a ``C x C``
+    matrix-vector and a ``C x C x C`` product. Linear in ``T``, as the forward.
+    """
+    b, h, length, dk = q_shape
+    dv = v_shape[-1]
+    c = chunk_size
+    per_step = 2 * c * (3 * dk + 2 * dv) + 10 * dk * dv
+    if has_decay:
+        per_step += 4 * dk * dv + 2 * c + 2 * c * c
+    return b * h * length * per_step
+
+
+def _lightning_formula(q: Shape, k: Shape, v: Shape, decay: Optional[Shape] = None,
+                       initial_state: Optional[Shape] = None, chunk_size: int = 64,
+                       backend: Optional[str] = None, *, out_shape: Any = None, **_: Any) -> int:
+    return lightning_attention_flops(q, v, chunk_size)
+
+
+def _lightning_backward_formula(q: Shape, k: Shape, v: Shape, decay: Optional[Shape] = None,
+                                initial_state: Optional[Shape] = None, grad_o: Optional[Shape] = None,
+                                grad_state: Optional[Shape] = None, chunk_size: int = 64,
+                                backend: Optional[str] = None, *, out_shape: Any = None, **_: Any) -> int:
+    return lightning_attention_backward_flops(q, v, chunk_size, decay is not None)
+
+
+register_flop_formula(torch.ops.gradshard.lightning_attention)(_lightning_formula)
+register_flop_formula(torch.ops.gradshard.lightning_attention_backward)(_lightning_backward_formula)

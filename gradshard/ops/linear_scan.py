@@ -23,17 +23,19 @@ time axis). The kernels it runs are bound in :func:`gradshard.kernels.linear_sca
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from gradshard.analysis import locality
 from gradshard.analysis.dims import DimsContext, NodeDims, register_dim_rule
 from gradshard.kernels.linear_scan import result_dtype, run_linear_scan, shift_coefficients
 
-__all__ = ["LINEAR_SCAN", "scan_dims_rule"]
+__all__ = ["LINEAR_SCAN", "scan_dims_rule", "linear_scan_flops"]
 
 LINEAR_SCAN = "gradshard::linear_scan"
 
@@ -102,3 +104,21 @@ def scan_dims_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
 
 register_dim_rule(torch.ops.gradshard.linear_scan, LINEAR_SCAN)(scan_dims_rule)
 locality.register_time_op(LINEAR_SCAN, time_dim=1, reach=locality.ALL_PAST)
+
+
+# --------------------------------------------------------------------------- FLOPs (FlopCounterMode)
+
+Shape = Sequence[Any]  # ints, or SymInts while tracing symbolically
+
+
+def linear_scan_flops(h_shape: Shape) -> int:
+    """``h_t = a_t h_{t-1} + u_t``: one multiply and one add per element of ``h`` (``u``'s shape)."""
+    return 2 * math.prod(h_shape)
+
+
+def _linear_scan_formula(a: Shape, u: Shape, h0: Optional[Shape] = None, reverse: bool = False,
+                         backend: Optional[str] = None, *, out_shape: Any = None, **_: Any) -> int:
+    return linear_scan_flops(out_shape if out_shape is not None else u)
+
+
+register_flop_formula(torch.ops.gradshard.linear_scan)(_linear_scan_formula)

@@ -12,6 +12,7 @@ LAYERS = (
     "gradshard.ir",           # regions, stages, pass records: plain frozen dataclasses
     "gradshard.errors",       # error types (name nodes and source lines from ir)
     "gradshard.fake",         # running graphs on fake tensors
+    "gradshard.units",        # formatting bytes, FLOPs, seconds, counts
     "gradshard.pipeline",     # the pass protocol and pass manager
     "gradshard.kernels",      # torch / Triton implementations and the public kernel front doors
     "gradshard.analysis",     # dims, time locality, effects: read a graph, never change it
@@ -21,6 +22,7 @@ LAYERS = (
     "gradshard.runtime",      # run-time machinery shared by plans (communication with timeouts)
     "gradshard.plans",        # one folder per plan: options, pass list, own passes, runtime modules
     "gradshard.schedule",     # rewritten graph -> program of stages
+    "gradshard.compose",      # hand the segments a plan does not rewrite to Inductor
     "gradshard.api",          # compile / CompiledModule / backend: drives the pipeline
     "gradshard.measure",      # measuring steps (torch's counters)
     "gradshard.cost",         # symbolic cost model

@@ -45,6 +45,8 @@ from gradshard.analysis.node_costs import node_cost
 from gradshard.analysis.effects import draws_random_numbers
 from gradshard.errors import UnsupportedGraphError, node_error
 from gradshard.ir import Region, source_of
+from gradshard.ops.dense_scan import dense_linear_scan_flops
+from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
@@ -93,10 +95,10 @@ def _costs(plan: RegionPlan, T: int, shard: int, remat: frozenset[int] = frozens
     ro = [node_cost(n) for n in plan.readout]
     u_val = plan.producer_outputs[1].meta["val"]
     state_bytes = u_val.numel() * u_val.element_size()
-    scan_flops = 2 * u_val.numel()
+    scan_flops = linear_scan_flops(u_val.shape)
     if plan.scan.kind == "dense":
         a_val = plan.producer_outputs[0].meta["val"]
-        scan_flops = 2 * u_val.numel() * int(a_val.shape[-1])
+        scan_flops = dense_linear_scan_flops(u_val.shape, int(a_val.shape[-1]))
     saved = sum(x.meta["val"].numel() * x.meta["val"].element_size()
                 for i, (x, d) in enumerate(zip(plan.inputs, plan.io.input_time_dims))
                 if d is not None and i not in remat and isinstance(x.meta.get("val"), torch.Tensor))

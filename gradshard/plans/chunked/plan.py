@@ -389,16 +389,6 @@ class _DryCache:
         return torch.empty(shape, dtype=val.dtype, device=val.device)
 
 
-def _flash_cpu_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None,
-                     **kwargs: Any) -> int:
-    """FLOPs of CPU flash attention (not in torch's flop registry): two products per score."""
-    b, h, lq, d = query_shape
-    s = key_shape[-2]
-    return 2 * b * h * lq * s * (d + value_shape[-1])
-
-
-_FLOP_EXTRAS = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_cpu_flops}
-
 
 def _sample_chunks(k: int) -> list[int]:
     return sorted({j for j in (0, 1, 2, k // 2, k - 2, k - 1) if 0 <= j < k})
@@ -430,7 +420,7 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
         try:
             with mode, RecursionGuard():
                 for j in sample:
-                    with FlopCounterMode(display=False, custom_mapping=_FLOP_EXTRAS) as fc:
+                    with FlopCounterMode(display=False) as fc:
                         ev = _run_chunk(program, flat, j)
                     stats[j] = (fc.get_total_flops(), ev.peak_bytes, list(ev.cache_reads))
             break

@@ -23,6 +23,7 @@ from gradshard.plans.lasp.runtime import lasp_attention
 
 from gradshard.plans.lasp.group import LaspGroup
 from gradshard.passes.linear_attention_spec import LaspSpec
+from gradshard.ops.lightning import lightning_attention_flops
 
 __all__ = ["LaspAttentionRegion", "LaspGradSync", "LaspGlobalMean", "state_dtype"]
 
@@ -82,7 +83,7 @@ class LaspAttentionRegion(nn.Module):
         itemsize = s.out_dtype.itemsize if s.out_dtype.is_floating_point else 8
         chunk = min(self.chunk_size, max(t, 1))
         bh = s.batch * s.heads
-        kernel_flops = 2 * bh * t * (chunk * (s.dk + s.dv) + 2 * s.dk * s.dv)
+        kernel_flops = lightning_attention_flops((s.batch, s.heads, t, s.dk), (s.batch, s.heads, t, s.dv), chunk)
         combine_flops = 4 * bh * t * s.dk * s.dv
         saved = bh * t * (2 * s.dk + s.dv) * itemsize + self.state_bytes()
         nbytes = self.state_bytes()
