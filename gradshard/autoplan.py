@@ -28,10 +28,12 @@ import torch.nn as nn
 
 from gradshard.api import DEFAULT_CACHE_SIZE, CompiledGraph, CompiledModule
 from gradshard.cost import cost, devices, format_bytes, parse_bytes
+from gradshard.cost.inputs import find_input_axes
 from gradshard.errors import GradshardError
 from gradshard.plans import get_plan
 
-__all__ = ["AutoCompiledModule", "Candidate", "Choice", "CANDIDATES", "choose_plan", "compile_auto"]
+__all__ = ["AutoCompiledModule", "Candidate", "Choice", "Pricing", "Priced", "CANDIDATES", "choose_plan",
+           "price_candidates", "pick", "compile_auto"]
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,12 @@ CANDIDATES: Callable[[int], list[Candidate]] = _grid
 
 @dataclass(frozen=True)
 class Priced:
-    """A candidate with its predicted peak and time, or the reason it cannot run."""
+    """A candidate with its predicted peak and time (and cost report), or why it cannot run."""
 
     candidate: Candidate
     peak_bytes: float | None = None
     time_s: float | None = None
-    max_seq_len: int | None = None
+    report: Any = field(default=None, compare=False, repr=False)
     refused: str = ""
 
     def fits(self, budget: float) -> bool:
@@ -78,8 +80,18 @@ class Priced:
 
 
 @dataclass(frozen=True)
+class Pricing:
+    """Every candidate priced at one batch and sequence length (what :func:`pick` chooses from)."""
+
+    seq_len: int
+    batch: int
+    device: str
+    priced: tuple[Priced, ...]
+
+
+@dataclass(frozen=True)
 class Choice:
-    """What :func:`choose_plan` decided, and everything it priced."""
+    """What :func:`pick` decided, and everything that was priced."""
 
     candidate: Candidate
     budget: float
@@ -112,43 +124,40 @@ def _default_device(args: Sequence[Any]) -> str:
     return "h100"
 
 
-def _time_axis_len(report: Any) -> tuple[int, int]:
-    """The example's (sequence length, batch) the report was built at."""
-    return int(report.example["seq_len"]), int(report.example["batch"])
-
-
-def choose_plan(target: nn.Module | Callable[..., Any], args: Sequence[Any], *, memory_budget: float | str,
-                device: str | None = None, allow_approximate: bool = False,
-                candidates: Sequence[Candidate] | None = None, time_axis: tuple[int, int] | None = None,
-                frontend: str = "python", progress: Callable[[str], None] | None = None) -> Choice:
-    """Price the candidates for ``target(*args)`` and pick the fastest that fits the budget."""
-    budget = float(parse_bytes(memory_budget) if isinstance(memory_budget, str) else memory_budget)
-    if not budget > 0:
-        raise GradshardError(f"plan='auto': memory_budget must be positive, got {memory_budget!r}")
+def price_candidates(target: nn.Module | Callable[..., Any], args: Sequence[Any], *, device: str | None = None,
+                     allow_approximate: bool = False, candidates: Sequence[Candidate] | None = None,
+                     time_axis: tuple[int, int] | None = None, frontend: str = "python",
+                     progress: Callable[[str], None] | None = None) -> Pricing:
+    """Predict each candidate's peak and step time for ``target(*args)`` with the cost model."""
     device = device or _default_device(args)
     say = progress or (lambda msg: None)
+    axes = find_input_axes(target, tuple(args), time_axis=time_axis, frontend=frontend)
+    pool = list(candidates) if candidates is not None else CANDIDATES(axes.seq_len)
     priced: list[Priced] = []
-    pool = list(candidates) if candidates is not None else None
-    first = cost(target, "none", example_inputs=tuple(args), device=device, time_axis=time_axis, frontend=frontend)
-    seq_len, batch = _time_axis_len(first)
-    pool = pool if pool is not None else CANDIDATES(seq_len)
     for cand in pool:
         if not cand.exact and not allow_approximate:
             continue
         say(f"plan='auto': pricing {cand.label()}")
         try:
-            report = first if cand.plan == "none" and not cand.options else cost(
-                target, cand.plan, example_inputs=tuple(args), device=device, time_axis=time_axis,
-                frontend=frontend, **cand.options)
+            report = cost(target, cand.plan, example_inputs=tuple(args), device=device, time_axis=time_axis,
+                          frontend=frontend, **cand.options)
         except GradshardError as exc:
             priced.append(Priced(cand, refused=str(exc).splitlines()[0]))
             continue
-        vals = report.evaluate(seq_len, batch)
-        priced.append(Priced(cand, float(vals["peak_bytes"]), float(vals["time_s"]),
-                             report.max_seq_len(budget, batch, quantity="peak_bytes")))
+        vals = report.evaluate(axes.seq_len, axes.batch_size)
+        priced.append(Priced(cand, float(vals["peak_bytes"]), float(vals["time_s"]), report))
     if not priced:
         raise GradshardError("plan='auto': no candidate to price: every candidate given has an approximate "
                              "gradient; pass allow_approximate=True to consider them")
+    return Pricing(axes.seq_len, axes.batch_size, device, tuple(priced))
+
+
+def pick(pricing: Pricing, memory_budget: float | str, *, allow_approximate: bool = False) -> Choice:
+    """The fastest predicted candidate whose predicted peak fits ``memory_budget``."""
+    budget = float(parse_bytes(memory_budget) if isinstance(memory_budget, str) else memory_budget)
+    if not budget > 0:
+        raise GradshardError(f"plan='auto': memory_budget must be positive, got {memory_budget!r}")
+    priced, seq_len, batch = pricing.priced, pricing.seq_len, pricing.batch
     fitting = [p for p in priced if p.fits(budget)]
     if not fitting:
         ran = [p for p in priced if not p.refused]
@@ -156,15 +165,26 @@ def choose_plan(target: nn.Module | Callable[..., Any], args: Sequence[Any], *, 
             raise GradshardError("plan='auto': the compiler refused every candidate for this model:\n" +
                                  "\n".join(f"  {p.candidate.label()}: {p.refused}" for p in priced))
         best = min(ran, key=lambda p: p.peak_bytes)
-        longest = max(ran, key=lambda p: p.max_seq_len or 0)
+        longest = max(ran, key=lambda p: p.report.max_seq_len(budget, batch, quantity="peak_bytes"))
+        fits_to = longest.report.max_seq_len(budget, batch, quantity="peak_bytes")
         raise GradshardError(
             f"plan='auto': no plan fits {format_bytes(budget)} at batch={batch}, T={seq_len}: the smallest "
             f"predicted peak is {format_bytes(best.peak_bytes)} ({best.candidate.label()}); under this budget "
-            f"{longest.candidate.label()} fits up to T={longest.max_seq_len:,}.\n"
+            f"{longest.candidate.label()} fits up to T={fits_to:,}.\n"
             "  instead: raise memory_budget, shorten the sequence or the batch"
             + ("" if allow_approximate else ", or allow_approximate=True (truncated_adjoint, spaco)"))
     best = min(fitting, key=lambda p: (p.time_s, p.peak_bytes))
-    return Choice(best.candidate, budget, seq_len, batch, device, tuple(priced))
+    return Choice(best.candidate, budget, seq_len, batch, pricing.device, priced)
+
+
+def choose_plan(target: nn.Module | Callable[..., Any], args: Sequence[Any], *, memory_budget: float | str,
+                allow_approximate: bool = False, **kwargs: Any) -> Choice:
+    """Price the candidates for ``target(*args)`` and pick the fastest that fits the budget
+    (:func:`price_candidates` then :func:`pick`; ``kwargs`` go to the former)."""
+    if isinstance(memory_budget, str):
+        parse_bytes(memory_budget)  # a malformed budget fails before anything is priced
+    pricing = price_candidates(target, args, allow_approximate=allow_approximate, **kwargs)
+    return pick(pricing, memory_budget, allow_approximate=allow_approximate)
 
 
 class AutoCompiledModule(CompiledModule):

@@ -39,6 +39,20 @@ def _check_causal_mixer(node: fx.Node, bc: BuildCtx, what: str) -> None:
                          "a causal mask built in the model), or use plan='none'")
 
 
+def _place_operand(frame: Any, rank: int, contract: int, nd: int, outs: list[TDim], row: list[tuple[TDim, Any]]) -> bool:
+    """Map one matmul operand's time dims to the output (``outs``, ``row``); True if time is contracted."""
+    contracted = False
+    for td in frame:
+        if td.dim == contract:
+            row.append((td, "contract"))
+            contracted = True
+        else:
+            out = TDim(td.dim + nd - rank, td.length, td.inner)
+            outs.append(out)
+            row.append((td, out.dim))
+    return contracted
+
+
 def _matmul_like(node: fx.Node, bc: BuildCtx, a: fx.Node, b: fx.Node, bias: Any = None) -> NodeRule:
     out = meta_shape(node)
     nd = len(out)
@@ -48,31 +62,10 @@ def _matmul_like(node: fx.Node, bc: BuildCtx, a: fx.Node, b: fx.Node, bias: Any 
     outs: list[TDim] = []
     row_a: list[tuple[TDim, Any]] = []
     row_b: list[tuple[TDim, Any]] = []
-    contracted = False
-    for td in bc.frame(a):
-        if td.dim == len(sa) - 1:
-            row_a.append((td, "contract"))
-            contracted = True
-        elif td.dim == len(sa) - 2:
-            t = TDim(nd - 2, td.length, td.inner)
-            outs.append(t)
-            row_a.append((td, t.dim))
-        else:
-            t = TDim(td.dim + nd - len(sa), td.length, td.inner)
-            outs.append(t)
-            row_a.append((td, t.dim))
-    for td in bc.frame(b):
-        if td.dim == len(sb) - 2:
-            row_b.append((td, "contract"))
-            contracted = True
-        elif td.dim == len(sb) - 1:
-            t = TDim(nd - 1, td.length, td.inner)
-            outs.append(t)
-            row_b.append((td, t.dim))
-        else:
-            t = TDim(td.dim + nd - len(sb), td.length, td.inner)
-            outs.append(t)
-            row_b.append((td, t.dim))
+    # a's last dim and b's second-to-last are contracted; every other dim keeps its place
+    # counted from the end (batch dims broadcast to the output's rank ``nd``)
+    contracted = _place_operand(bc.frame(a), len(sa), len(sa) - 1, nd, outs, row_a)
+    contracted |= _place_operand(bc.frame(b), len(sb), len(sb) - 2, nd, outs, row_b)
     frame = _frame_from(outs)
     if contracted:
         _check_causal_mixer(node, bc, f"the product `{node.name}` contracts the time axis and")
