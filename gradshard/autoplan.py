@@ -194,9 +194,9 @@ class AutoCompiledModule(CompiledModule):
                  device: str | None = None, allow_approximate: bool = False,
                  candidates: Sequence[Candidate] | None = None, frontend: str = "python",
                  time_axis: tuple[int, int] | None = None, backend: str | None = None,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, inductor: bool = False) -> None:
         super().__init__(target, "none", frontend=frontend, time_axis=time_axis, backend=backend,
-                         cache_size=cache_size)
+                         cache_size=cache_size, inductor=inductor)
         if isinstance(memory_budget, str):
             parse_bytes(memory_budget)  # a malformed budget fails here, not at the first call
         if device is not None and device not in devices():
@@ -232,7 +232,7 @@ def compile_auto(model_or_fn: nn.Module | Callable[..., Any], *, memory_budget: 
         raise GradshardError("plan='auto' needs memory_budget= (bytes or a string such as '8GB'): the cost "
                              "model picks the fastest plan whose predicted peak fits it")
     unknown = sorted(set(kwargs) - {"device", "allow_approximate", "candidates", "frontend", "time_axis",
-                                    "backend", "cache_size"})
+                                    "backend", "cache_size", "inductor"})
     if unknown:
         raise GradshardError(f"plan='auto' chooses the plan's options itself; it takes no {unknown} "
                              "(its own: memory_budget, device, allow_approximate, candidates)")

@@ -26,11 +26,20 @@ and drops every value after its last reader, as fx's generated code does, so com
 keeps the memory profile of the eager graph (inside a segment AOTAutograd's partitioner
 decides what is saved for backward).
 
-Not compiled: region modules (their per-shard or per-chunk work runs eagerly inside their
-autograd.Functions). For ``seco``/``spaco`` the region *is* the whole captured graph, run
-chunk by chunk by a demand-driven evaluator, so only the hoisted whole-sequence values
-(masks, positions) outside it are compiled; the same holds for the producer/readout graphs
-inside adjoint regions.
+``gs.compile(..., inductor=True)`` composes every specialisation it runs (a length the adjoint
+plan serves by re-specialising gets its own composition); ``gs.backend`` composes Dynamo's
+graph by default (``inductor=False`` runs it eagerly). ``fallback_random`` is set, so random
+ops draw from the global generator as the eager graph does.
+
+Not compiled (run eagerly): region modules. Their per-shard / per-chunk work runs inside their
+own autograd.Functions: the producer and readout graphs and the scans of ``adjoint`` regions,
+the recomputed segments of ``tail_*`` regions, LASP's communicating modules. For
+``seco``/``spaco`` the region *is* the whole captured graph, run chunk by chunk by a
+demand-driven evaluator (:mod:`gradshard.plans.chunked.evaluate`): only the values hoisted out
+of it (masks, positions) and the getitems after it remain outside, so nothing is compiled
+there. Compiling a chunk is not done: each chunk reads a KV cache as long as the steps before
+it, so static-shape compiles would be one per chunk (a dynamic-shape trace of the evaluator's
+per-chunk work would be needed).
 """
 
 from __future__ import annotations
@@ -201,8 +210,9 @@ class _CompiledStep:
             fn = self.compiler(self.make_gm(), list(args))  # a fresh GraphModule: compilers may change it
         except Exception as exc:  # noqa: BLE001 - any compiler failure is reported with the segment
             raise node_error(
-                self.first, f"{self.compiler_name} could not compile {self.record.name} ({len(self.record.nodes)} nodes "
-                f"from `{self.record.nodes[0]}` to `{self.record.nodes[-1]}`): {type(exc).__name__}: "
+                self.first, f"{self.compiler_name} could not compile {self.record.name} "
+                f"({len(self.record.nodes)} nodes from `{self.record.nodes[0]}` to `{self.record.nodes[-1]}`): "
+                f"{type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''}",
                 "compile with inductor=False (gs.compile) or gs.backend(..., inductor=False) to run this "
                 "segment eagerly", GradshardError) from exc

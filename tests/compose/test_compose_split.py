@@ -183,3 +183,18 @@ def test_a_graph_without_regions_is_one_segment() -> None:
     c = compose_graph(cm.graph, aot_eager)
     assert [s.kind for s in c.segments] == ["compiled"]
     assert c.compiled_variants == 0  # compiled at the first call, not before
+
+
+def test_a_compiler_failure_names_the_segment_and_the_way_out() -> None:
+    def broken(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+        raise RuntimeError("no kernel for this op")
+
+    broken.display_name = "Inductor"
+    model = SDPABlock().double()
+    cm = gs.compile(model, plan="none", inductor=True)
+    cm.segment_compiler = broken
+    with pytest.raises(gs.GradshardError) as info:
+        cm(_x(1, 5, 8))
+    text = str(info.value)
+    assert "Inductor could not compile segment_0" in text and "no kernel for this op" in text
+    assert "inductor=False" in text

@@ -1,0 +1,279 @@
+"""Benchmark gradshard composed with Inductor (issue 19) against eager and ``torch.compile``, CPU.
+
+For each model (the example selective SSM, a log-space minGRU LM, the example Llama) and each
+length T, one training step (forward, cross-entropy outside the model, backward) is measured
+with ``gs.measure`` after a warm-up step that captures and compiles:
+
+- ``eager``: the model as written;
+- ``compile``: ``torch.compile(model)`` (Inductor, static shapes);
+- ``compile_budget``: the same with ``torch._functorch.config.activation_memory_budget=0.1``
+  (AOTAutograd's partitioner recomputes activations to fit 10% of the saved bytes);
+- ``gs_none`` / ``gs_adjoint`` / ``gs_seco``: ``gs.compile(model, plan=..., inductor=True)``:
+  the segments the plan does not rewrite compiled by Inductor, regions as they are;
+- ``gs_adjoint_eager`` / ``gs_seco_eager``: the same plans with ``inductor=False`` (what ran before);
+- ``backend_none`` / ``backend_adjoint`` / ``backend_seco``:
+  ``torch.compile(model, backend=gs.backend(plan=...))``.
+
+Adjoint rows run on the recurrent models, seco rows on the attention model. Peak memory is the
+CPU allocator's peak during the step above what was live before it (``gs.measure``'s
+``allocator_peak_bytes``, from ``torch.profiler`` memory events; the same instrument for every
+row, since the process compiles before the first measurement); time is the median of
+``--repeat`` plain steps after the measured one. Writes "## Composing with Inductor (issue 19)"
+in ``RESULTS.md`` (``bench/`` in a checkout, the current folder for an installed gradshard).
+
+    python bench/bench_compose.py --quick             # T=1K,4K, one timed step per point
+    python bench/bench_compose.py --seq-lens 1k,4k,8k --repeat 3
+    python bench/bench_compose.py --models mingru --methods compile,gs_adjoint --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the shared RESULTS.md writer
+
+import gradshard as gs  # noqa: E402
+from gradshard.examples import factories  # noqa: E402
+from gradshard.units import format_bytes  # noqa: E402
+from results_md import OUTPUT_DIR, RESULTS, write_section  # noqa: E402
+
+HEADING = "## Composing with Inductor (issue 19)"
+MODELS = ("ssm", "mingru", "llama")
+RECURRENT = ("ssm", "mingru")
+METHODS = ("eager", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager", "gs_seco",
+           "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
+DEFAULT_METHODS = METHODS
+
+
+def parse_len(s: str) -> int:
+    s = s.strip().lower()
+    return int(float(s[:-1]) * 1024) if s.endswith("k") else int(s)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def log_g(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, (F.relu(x) + 0.5).log(), -F.softplus(-x))
+
+
+class MinGRU(nn.Module):
+    """minGRU in log space (Feng et al., 2024), as its reference code writes it: Heinsen's scan."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.to_hidden_and_gate = nn.Linear(d, 2 * hidden, bias=False)
+        self.to_out = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden, gate = self.to_hidden_and_gate(x).chunk(2, dim=-1)
+        log_coeffs = -F.softplus(gate)
+        log_values = -F.softplus(-gate) + log_g(hidden)
+        a_star = log_coeffs.cumsum(dim=1)
+        log_h = a_star + (log_values - a_star).logcumsumexp(dim=1)
+        return self.to_out(log_h.exp())
+
+
+class MinGRULM(nn.Module):
+    """Embedding, ``layers`` x (RMSNorm, minGRU, residual), RMSNorm, LM head."""
+
+    def __init__(self, vocab: int = 256, d: int = 64, layers: int = 4, expansion: float = 1.5) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(nn.RMSNorm(d, eps=1e-6) for _ in range(layers))
+        self.layers = nn.ModuleList(MinGRU(d, int(d * expansion)) for _ in range(layers))
+        self.norm_f = nn.RMSNorm(d, eps=1e-6)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for norm, layer in zip(self.norms, self.layers):
+            x = x + layer(norm(x))
+        return self.lm_head(self.norm_f(x))
+
+
+def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, str]:
+    """The model, a batch of token ids, and a description for the table's caption."""
+    if name == "ssm":
+        model, (ids,) = factories.ssm(d_model=64, n_layers=4, d_state=16, seq_len=T, batch=batch)
+        return model, ids, "example selective SSM (`factories.ssm`): d=64, N=16, 4 layers, log-space cumsum scan"
+    if name == "llama":
+        model, (ids,) = factories.llama(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=172,
+                                        seq_len=T, batch=batch)
+        return model, ids, "example Llama (`factories.llama`): d=64, 4 layers, 4 heads (2 KV), SDPA, RoPE"
+    if name == "mingru":
+        torch.manual_seed(0)
+        model = MinGRULM()
+        ids = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(T))
+        return model, ids, "log-space minGRU LM (in this script): d=64, hidden 96, 4 layers, Heinsen scan"
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def applies(method: str, model: str) -> bool:
+    if "adjoint" in method:
+        return model in RECURRENT
+    if "seco" in method:
+        return model not in RECURRENT
+    return True
+
+
+def runner(method: str, model: nn.Module, *, shard: int, chunk: int) -> tuple[Callable[..., Any], str]:
+    """``(run, label)`` for ``method``; ``run(ids) -> logits``."""
+    opts = {"adjoint": {"shard_size": shard}, "seco": {"chunk_size": chunk}, "none": {}}
+    if method == "eager":
+        return model, "eager"
+    if method in ("compile", "compile_budget"):
+        label = "torch.compile" + (" (activation_memory_budget=0.1)" if method == "compile_budget" else "")
+        return torch.compile(model, dynamic=False), label
+    if method.startswith("gs_"):
+        plan = method.split("_")[1]
+        inductor = not method.endswith("_eager")
+        return (gs.compile(model, plan=plan, inductor=inductor, **opts[plan]),
+                f"gs.compile(plan={plan!r}, inductor={inductor})")
+    if method.startswith("backend_"):
+        plan = method.split("_")[1]
+        return (torch.compile(model, backend=gs.backend(plan=plan, **opts[plan]), dynamic=False),
+                f"torch.compile(backend=gs.backend(plan={plan!r}))")
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def warm_up_inductor() -> None:
+    """Compile something tiny first: Inductor's one-time start-up is not charged to a row, and
+    ``gs.measure`` traces the CPU allocator for every row (it does once anything has compiled)."""
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), dynamic=False)
+    fn(torch.randn(8, requires_grad=True)).backward()
+    torch._dynamo.reset()
+
+
+def measure_one(model_name: str, method: str, T: int, batch: int, shard: int, chunk: int, repeat: int) -> dict:
+    torch._dynamo.reset()  # every torch.compile row compiles afresh, under its own config
+    model, ids, desc = make_model(model_name, T, batch)
+    run, label = runner(method, model, shard=shard, chunk=chunk)
+    labels = torch.roll(ids, -1, 1)
+
+    def step(ids: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        logits = run(ids)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+
+    budget = 0.1 if method == "compile_budget" else 1.0
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        t0 = time.perf_counter()
+        step(ids)  # warm-up: capture and compile (forward and backward) happen here
+        first = time.perf_counter() - t0
+        m = gs.measure(step, ids, repeat=repeat)
+    peak = m.allocator_peak_bytes if m.allocator_peak_bytes is not None else m.peak_bytes
+    source = "cpu_allocator" if m.allocator_peak_bytes is not None else m.peak_source
+    out = {"model": model_name, "model_desc": desc, "method": method, "label": label, "T": T, "peak": peak,
+           "peak_source": source, "seconds": m.seconds, "first_call_s": first,
+           "compiled_runs": m.compiled_regions}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(rows: list[dict]) -> str:
+    base = {(r["model"], r["T"]): r for r in rows if r["method"] == "compile"}
+    lines = ["| model | T | method | step time | time / torch.compile | peak memory | peak / torch.compile | "
+             "first call (compile) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        b = base.get((r["model"], r["T"]))
+        rt = f"{r['seconds'] / b['seconds']:.2f}x" if b and b["seconds"] and r["seconds"] else "-"
+        rm = f"{r['peak'] / b['peak']:.2f}x" if b and b["peak"] and r["peak"] else "-"
+        lines.append(f"| {r['model']} | {r['T']} | {r['label']} | {r['seconds']:.3f} s | {rt} | "
+                     f"{format_bytes(r['peak'])} | {rm} | {r['first_call_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", default="1k,4k,8k")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"any of {','.join(METHODS)}")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--shard-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=3, help="timed steps per point (median)")
+    p.add_argument("--quick", action="store_true", help="T=1K,4K and one timed step per point")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--notes", default="", help="text appended under the table")
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seq_lens, args.repeat = "1k,4k", 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lens = [parse_len(s) for s in args.seq_lens.split(",") if s]
+    models = [m for m in args.models.split(",") if m]
+    methods = [m for m in args.methods.split(",") if m]
+    bad = sorted(set(methods) - set(METHODS)) + sorted(set(models) - set(MODELS))
+    if bad:
+        p.error(f"unknown method/model {bad}; methods: {METHODS}, models: {MODELS}")
+    warm_up_inductor()
+    rows: list[dict] = []
+    descs: dict[str, str] = {}
+    for model_name in models:
+        for T in lens:
+            for method in methods:
+                if not applies(method, model_name):
+                    continue
+                r = measure_one(model_name, method, T, args.batch, args.shard_size, args.chunk_size, args.repeat)
+                gc.collect()  # the row's model and compiled code are garbage now
+                descs[model_name] = r["model_desc"]
+                rows.append(r)
+                print(f"{model_name:7s} T={T:5d} {r['label']:55s} {r['seconds']:7.3f} s  peak "
+                      f"{format_bytes(r['peak']):>10s} ({r['peak_source']})  first call {r['first_call_s']:.1f} s",
+                      flush=True)
+    if not args.no_write:
+        raw = OUTPUT_DIR / "out" / "bench_compose.json"
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        raw.write_text(json.dumps(rows, indent=1))
+    text = (
+        "Models: " + "; ".join(f"{k}: {v}" for k, v in descs.items())
+        + f". Batch {args.batch}, float32, vocab 256, cross-entropy outside the model; adjoint shard "
+        f"{args.shard_size}, seco chunk {args.chunk_size}. Machine: {cpu_name()}, {os.cpu_count()} cores shared "
+        f"with other jobs, torch {torch.__version__} ({torch.get_num_threads()} threads). Step time: median of "
+        f"{args.repeat} step(s) after a warm-up step and one measured step (noisy on this shared machine); peak: "
+        "the CPU allocator's peak during the step above what was live before it (`gs.measure`, "
+        "`allocator_peak_bytes`: torch.profiler memory events, the same instrument for every row); first call: "
+        "capture + plan + Inductor compile of the forward and backward (Inductor's on-disk caches were warm "
+        "for kernels seen before). Ratios are to plain `torch.compile` at the same model and T.\n\n"
+        + table(rows)
+        + (f"\n\n{args.notes}" if args.notes else "")
+    )
+    print(text)
+    if not args.no_write:
+        write_section(HEADING, text, Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
