@@ -16,6 +16,9 @@ TINY = bp.ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_hea
                       batch=2, seq_len=12)
 
 
+pytestmark = pytest.mark.slow  # runs the partial-update benchmark (~40 s); `make test-all` runs it
+
+
 @pytest.fixture(scope="module")
 def result() -> dict:
     variants = [v for v in bp.VARIANTS if v.key in ("full", "mlp_1_4", "mlp_heads_1_4")]

@@ -239,6 +239,7 @@ def test_mlp_blocks_between_recurrences_are_recomputed_in_shards(layers):
     assert saved * 4 < _saved_bytes(model, model, y)
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores; runs in `make test-all`
 def test_dense_associative_scan_with_a_learned_h0_saves_what_the_loop_saves():
     """The h0 fold of the dense form reads ``A[:, :1] @ h0`` through the reshapes a decomposed-then-
     restored matmul leaves: it is unfolded like the diagonal one (was 7x the loop's saved bytes)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -35,6 +36,7 @@ def test_plan_none_is_one_inductor_segment_exact() -> None:
     assert {s.kernel.split(" ")[0] for s in cm.program.stages if s.nodes} == {"inductor"}
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores; runs in `make test-all` (aot_eager covers adjoint exactness by default)
 def test_adjoint_hybrid_attention_by_inductor_recurrences_by_regions() -> None:
     model, (ids,) = factories.hybrid(seq_len=11, batch=1, dtype=torch.float64)
     before = _inductor_compiles()

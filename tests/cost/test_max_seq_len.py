@@ -24,6 +24,7 @@ def test_max_seq_len_matches_bisection_plan_none(llama_report, budget_at):
     assert predicted == truth == budget_at
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores; runs in `make test-all` (the plan-none bisection runs by default)
 def test_max_seq_len_matches_bisection_chunked():
     target, inputs = F.ssm(seq_len=32)
     report = cost(target, "seco", example_inputs=inputs, chunk_size=8)

@@ -104,6 +104,7 @@ def test_tables(report):
     assert whatif.rows[0]["max_seq_len"] == report.max_seq_len(80 * 10**9, batch=8)
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores; runs in `make test-all` (the wheel test runs `gradshard cost`)
 def test_compare_plans_prices_each_plan():
     target, inputs = F.llama(seq_len=16)
     plans = ["none"] + (["partial_update:slice_index=0"] if "partial_update" in gs.plans() else [])

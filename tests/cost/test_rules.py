@@ -14,6 +14,7 @@ from gradshard.cost.rules import R, PlanRule, get_rule, register_rule, RULES
 from gradshard.cost.validate import measure_step
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores; runs in `make test-all`
 def test_spaco_expected_backward_flops_equal_the_enumerated_expectation():
     from gradshard.plans.chunked.runtime import force_selection
 
@@ -43,6 +44,7 @@ def test_spaco_expected_backward_flops_equal_the_enumerated_expectation():
     assert report.evaluate(seq_len=48, batch=2)["peak_bytes"] == pytest.approx(worst, rel=0.10)
 
 
+@pytest.mark.slow  # default suite under 15 min on 2 cores; runs in `make test-all` (tests/cost/test_lasp_distributed.py covers LASP by default)
 def test_lasp_rule_is_the_per_rank_cost_plus_state_relay():
     target, inputs = F.linear_attention_gradshard(seq_len=32)
     lasp = cost(target, "lasp", example_inputs=inputs)

@@ -154,6 +154,13 @@ class Ranks:
         self.wait_exit([rank], t + 10.0)
         return t
 
+    def log_with(self, rank: int, text: str, deadline: float) -> str:
+        """``rank``'s log once it holds ``text`` (the traceback follows the error event line), or
+        as it is at ``deadline``."""
+        while text not in (log := self.log(rank)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return log
+
     def wait_exit(self, ranks: list[int], deadline: float) -> None:
         """Record when each of ``ranks`` exits; those alive at ``deadline`` stay unrecorded."""
         while time.monotonic() < deadline:
@@ -257,10 +264,12 @@ def test_sleeping_rank_makes_the_other_time_out(ctx: Any, tmp_path: Path, scenar
         assert TIMEOUT <= elapsed < TIMEOUT + MARGIN, (elapsed, ranks.logs())
         if scenario == "diloco":
             assert err["error"] == "DiLoCoError" and err["cause"] == "CommTimeoutError", ranks.logs()
-            assert "the peer did not take part in time" in ranks.log(waiter)
+            assert "the peer did not take part in time" in ranks.log_with(
+                waiter, "the peer did not take part in time", time.monotonic() + MARGIN), ranks.logs()
         else:
             assert err["error"] == "CommTimeoutError", ranks.logs()
-            assert "for the KV state of layer 1 from rank 0" in ranks.log(waiter), ranks.logs()
+            assert "for the KV state of layer 1 from rank 0" in ranks.log_with(
+                waiter, "for the KV state of layer 1 from rank 0", time.monotonic() + MARGIN), ranks.logs()
         late = _error(ranks, sleeper, float(asleep["t"]) + SLEEP + MARGIN)
         assert float(late["elapsed"]) < MARGIN, ranks.logs()  # measured from waking up
         ranks.wait_exit([0, 1], float(asleep["t"]) + SLEEP + MARGIN)

@@ -25,6 +25,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 if not INTERPRETED:
 
+    @pytest.mark.slow  # every plan on the Triton interpreter (~75 s); the kernels' own interpreter test runs by default
     def test_plans_on_triton_under_interpreter():
         run_under_interpreter(__file__)
 
