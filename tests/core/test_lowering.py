@@ -35,6 +35,7 @@ if not INTERPRETED:
         with pytest.raises(gs.GradshardError, match="TRITON_INTERPRET=1"):
             _grads("triton")
 
+    @pytest.mark.slow  # keeps the default suite under 15 min on 2 cores; `make test-all` runs it (the kernels' interpreter test runs by default)
     def test_triton_backend_under_interpreter_matches_torch():
         run_under_interpreter(__file__)
 

@@ -118,6 +118,7 @@ def test_compare_plans_prices_each_plan():
         assert part["total_bytes"] < none["total_bytes"] and part["flops"] < none["flops"]
 
 
+@pytest.mark.slow  # keeps the default suite under 15 min on 2 cores; `make test-all` runs it
 def test_dtype_what_if_halves_activation_bytes(report):
     target, inputs = F.llama(seq_len=32)
     f32 = report

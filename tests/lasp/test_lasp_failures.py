@@ -164,7 +164,9 @@ def test_halo_wider_than_a_slice_is_refused() -> None:
     model, ids = tiny_lm("naive", "none", seq_len=9, batch=1, conv_kernel=5)  # reads 4 earlier steps
 
     def body(rank: int, group: Any) -> Any:
-        cm = gs.compile(copy.deepcopy(model), plan="lasp", group=group, timeout_s=TIMEOUT)
+        # compiling is collective (the ranks exchange their lengths before the passes), and the
+        # threads' captures run one at a time: give the exchange time for all four captures
+        cm = gs.compile(copy.deepcopy(model), plan="lasp", group=group, timeout_s=60.0)
         try:
             cm.compiled_for(local_slice(ids, rank, 4))  # local lengths 3, 2, 2, 2
         except UnsupportedGraphError as exc:
