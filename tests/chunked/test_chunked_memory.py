@@ -9,6 +9,7 @@ the chunk size (one chunk's activations) and a single chunk costs what plain aut
 
 from __future__ import annotations
 
+import pytest
 
 import gradshard as gs
 from examples.factories import llama_loss
@@ -36,6 +37,7 @@ def test_peak_grows_only_with_the_kv_cache() -> None:
     assert s4 < p4
 
 
+@pytest.mark.slow  # keeps the default suite under 15 min on 2 cores; `make test-all` runs it
 def test_peak_follows_one_chunk_and_one_chunk_costs_plain() -> None:
     fn, (model, batch) = llama_loss(seq_len=256, **_CFG)
     plain = measure(step(fn), model, batch).peak_bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 
 import gradshard as gs
@@ -83,6 +84,7 @@ def test_fixed_sampling_is_biased_and_its_expectation_is_what_we_compute() -> No
     assert rel_err(exact, grads(cm1(model, batch), list(model.parameters()))) <= 1e-10
 
 
+@pytest.mark.slow  # keeps the default suite under 15 min on 2 cores; `make test-all` runs it
 def test_capped_compensation_is_biased() -> None:
     fn, model, batch, exact = _loss_setup()
     cm = gs.compile(fn, plan="spaco", chunk_size=2, budget=2, max_compensation=2.0)  # 1/q = 3 capped to 2
@@ -117,6 +119,7 @@ def test_budget_at_least_k_equals_seco() -> None:
     assert rel_err(exact, grads(cm(model, batch), list(model.parameters()))) <= 1e-10
 
 
+@pytest.mark.slow  # keeps the default suite under 15 min on 2 cores; `make test-all` runs it
 def test_bernoulli_draw_frequency() -> None:
     fn, model, batch, _ = _loss_setup(seq_len=16)
     gen = torch.Generator().manual_seed(0)

@@ -248,7 +248,7 @@ def test_diloco_rank_killed_during_outer_step_makes_the_survivor_raise(ctx: Any,
 SLEEP = TIMEOUT + 3.0  # longer than the timeout: the other rank must give up first
 
 
-@pytest.mark.parametrize("scenario", ["diloco", "lasp"])
+@pytest.mark.parametrize("scenario", ["diloco", pytest.param("lasp", marks=pytest.mark.slow)])
 def test_sleeping_rank_makes_the_other_time_out(ctx: Any, tmp_path: Path, scenario: str) -> None:
     """Rank 1 (DiLoCo: before its second outer all-reduce) or rank 0 (LASP: before sending
     layer 1's KV state) sleeps longer than the timeout. The waiting rank raises after
