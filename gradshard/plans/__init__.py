@@ -1,7 +1,7 @@
 """Plans: each folder here is one plan family (options, ordered passes, runtime modules).
 
 Importing this package registers every plan; :func:`get_plan` and :func:`plans` read the
-registry. To add a plan, add a folder and import it below (see the README, "Adding a plan").
+registry. To add a plan, add a folder and import it below (README, "Architecture": "Add a plan").
 """
 
 from __future__ import annotations
