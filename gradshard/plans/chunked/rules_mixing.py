@@ -357,36 +357,32 @@ def _dense_scan_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list
     return node.target(*args, **kwargs)
 
 
-@register_chunk_rule("gradshard::dense_linear_scan")
-def _dense_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
-    """``h_t = A_t @ h_{t-1} + u_t`` (a rolled dense loop): the last state is the next chunk's h0."""
+def _carried_scan_rule(node: fx.Node, bc: BuildCtx, what: str, run: Any) -> NodeRule:
+    """A forward scan along dim 1 of ``u`` (args[1]) with initial state args[2]: the last state of
+    one chunk is the next chunk's initial state."""
     u = node.args[1]
     fr = bc.frame(u)
     if len(fr) != 1 or fr[0].dim != 1 or not fr[0].pure(meta_shape(u)[1]):
-        raise node_error(node, "dense_linear_scan whose time axis gradshard cannot follow", _INSTEAD)
+        raise node_error(node, f"{what} whose time axis gradshard cannot follow", _INSTEAD)
     h0 = _arg(node, 2, "h0")
     if isinstance(h0, fx.Node) and bc.frame(h0):
         raise node_error(node, "the initial state of a scan runs along time", _INSTEAD)
-    rule = positional(node, bc, lambda i, a, td: td, run=_dense_scan_run, kind="scan")
-    rule.note = "dense_linear_scan carried across chunks"
+    rule = positional(node, bc, lambda i, a, td: td, run=run, kind="scan")
+    rule.note = f"{what} carried across chunks"
     return rule
+
+
+@register_chunk_rule("gradshard::dense_linear_scan")
+def _dense_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """``h_t = A_t @ h_{t-1} + u_t`` (a rolled dense loop): the last state is the next chunk's h0."""
+    return _carried_scan_rule(node, bc, "dense_linear_scan", _dense_scan_run)
 
 
 @register_chunk_rule("gradshard::linear_scan")
 def _linear_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
-    reverse = _arg(node, 3, "reverse", False)
-    if reverse:
+    if _arg(node, 3, "reverse", False):
         raise node_error(node, "a reverse scan reads future steps", _INSTEAD)
-    u = node.args[1]
-    fr = bc.frame(u)
-    if len(fr) != 1 or fr[0].dim != 1 or not fr[0].pure(meta_shape(u)[1]):
-        raise node_error(node, "linear_scan whose time axis gradshard cannot follow", _INSTEAD)
-    h0 = _arg(node, 2, "h0")
-    if isinstance(h0, fx.Node) and bc.frame(h0):
-        raise node_error(node, "the initial state of a scan runs along time", _INSTEAD)
-    rule = positional(node, bc, lambda i, a, td: td, run=_linear_scan_run, kind="scan")
-    rule.note = "linear_scan carried across chunks"
-    return rule
+    return _carried_scan_rule(node, bc, "linear_scan", _linear_scan_run)
 
 
 # --------------------------------------------------------------------------- attention
