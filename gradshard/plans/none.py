@@ -6,11 +6,16 @@ from dataclasses import dataclass
 
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.detect_regions import detect_regions
+from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.registry import register_plan
 
 PASSES = (
-    # Analysis only: plain autograd runs the captured graph unchanged; the findings feed
-    # `cm.regions`, `gradshard show` and the cost model. Detection reads the time analysis.
+    # First, before the analysis reads any mask: a traced causal (T, T) mask that eager
+    # would not build (transformers skips it when it can see there is no padding) is folded
+    # back into `is_causal`, so plain autograd costs what eager costs.
+    simplify_attention_masks,
+    # Analysis only: plain autograd runs the captured graph otherwise unchanged; the findings
+    # feed `cm.regions`, `gradshard show` and the cost model. Detection reads the time analysis.
     annotate_time_locality,
     detect_regions,
 )

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.detect_regions import detect_regions
+from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.partial_update.detect import detect_sliceable_linears
 from gradshard.plans.partial_update.rewrite import rewrite_partial_update
 from gradshard.plans.registry import register_plan
 
 PASSES = (
+    # As in plan none: a traced causal (T, T) mask eager would not build becomes is_causal.
+    simplify_attention_masks,
     # Analysis for cm.regions / explain (non-strict: a model without a time axis is fine).
     annotate_time_locality,
     detect_regions,
