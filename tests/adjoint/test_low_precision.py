@@ -1,42 +1,47 @@
-"""The adjoint plan trains in bfloat16: its self-check allows the dtype's rounding (it refused
-bf16 at every length before), and its gradient error against float64 stays within the dtype's
-precision. float16 is not covered yet (see the README's Status)."""
+"""Every plan trains in bfloat16 and float16 (issue 20): at T = 4096, on a recurrent and an
+attention model, its gradient error against float64 is no worse than eager autograd's in the
+same dtype (up to rounding-order noise). The numbers are in bench/RESULTS.md ("Low precision").
+
+The default suite runs two cells (adjoint on the SSM in bf16, seco on Llama in fp16);
+``-m slow`` runs the whole plan x dtype x model matrix of ``bench/bench_low_precision.py``.
+"""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
-import gradshard as gs
-from examples.factories import ssm
+from tests.bench_modules import load_bench
+
+bench = load_bench("bench_low_precision")
+
+T = 4096
+#: Rounding happens in a different order than eager's (scans accumulate in float32, chunks
+#: recompute): a plan may land on either side of eager. Measured worst ratio 1.26 (fp16 SSM).
+SLACK = 1.5
+DTYPES = [torch.bfloat16, torch.float16]
 
 
-def _grads(model: torch.nn.Module, ids: torch.Tensor, run) -> list[torch.Tensor]:
-    out = run(ids)
-    w = torch.linspace(0.5, 1.5, out.numel(), dtype=torch.float64).reshape(out.shape)
-    (out.double() * w).sum().backward()
-    return [p.grad.double() for p in model.parameters()]
+def _check(rows: list[dict]) -> None:
+    eager = rows[0]["error"]
+    # eager's own bf16 error at T=4096 is large (0.51 on the SSM, 0.78 on Llama: long sums in
+    # bfloat16); the contract is "no worse than that", and finite.
+    assert rows[0]["run"] == "eager" and eager < float("inf"), rows[0]
+    for row in rows[1:]:
+        err = row["error"]
+        assert not isinstance(err, str), row
+        assert err <= SLACK * eager + 1e-4, (row, eager)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_adjoint_low_precision_gradients_as_good_as_eager(dtype: torch.dtype) -> None:
-    model, (ids,) = ssm(seq_len=1024)
-    ref = copy.deepcopy(model).double()
-    truth = _grads(ref, ids, ref)
-    eager = copy.deepcopy(model).to(dtype)
-    mine = copy.deepcopy(model).to(dtype)
-    eager_g = _grads(eager, ids, eager)
-    mine_g = _grads(mine, ids, gs.compile(mine, plan="adjoint", shard_size=128))
+@pytest.mark.parametrize("model, plan, dtype", [("ssm", "adjoint", torch.bfloat16), ("llama", "seco", torch.float16)],
+                         ids=["ssm-adjoint-bf16", "llama-seco-fp16"])
+def test_plan_gradients_in_low_precision_are_as_good_as_eager(model: str, plan: str, dtype: torch.dtype) -> None:
+    _check(bench.measure(model, dtype, T, [plan], d_model=32))
 
-    def err(gs_: list[torch.Tensor]) -> float:
-        return max(float((g - t).abs().max() / t.abs().max()) for g, t in zip(gs_, truth))
 
-    mine_err, eager_err = err(mine_g), err(eager_g)
-    # Measured on CPU: adjoint 3.0e-2 (bf16); eager's bf16 gradients on this model come out
-    # NaN (not yet explained), so compare with eager only where they are finite.
-    bound = 6e-2
-    assert mine_err <= bound, mine_err
-    if eager_err == eager_err:
-        assert mine_err <= 1.5 * eager_err + 1e-3, (mine_err, eager_err)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("model", ["ssm", "llama"])
+def test_every_plan_in_low_precision_is_as_good_as_eager(model: str, dtype: torch.dtype) -> None:
+    plans = [p for p in bench.PLAN_OPTIONS if p != "partial_update" or model == "llama"]
+    _check(bench.measure(model, dtype, T, plans))
