@@ -107,8 +107,11 @@ def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]
     # first step costs, not the library's one-time start-up.
     warm, warm_call = _build(name, 64)
     warm_module = warm if plan == "eager" else gs.compile(warm, plan=plan, **PLAN_OPTIONS[plan])
-    with CpuAllocatorTrace():
-        _loss(warm_module, warm_call).backward()
+    try:
+        with CpuAllocatorTrace():
+            _loss(warm_module, warm_call).backward()
+    except gs.GradshardError as exc:
+        return {"model": name, "plan": plan, "T": T, "refused": str(exc).splitlines()[0][:120]}
     del warm, warm_call, warm_module
     torch.manual_seed(0)
     model, call = _build(name, T)
@@ -120,8 +123,11 @@ def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]
         gc.collect()
         before = rss_bytes() or 0
         t0 = time.perf_counter()
-        with CpuAllocatorTrace() as trace:
-            _loss(module, call).backward()
+        try:
+            with CpuAllocatorTrace() as trace:
+                _loss(module, call).backward()
+        except gs.GradshardError as exc:  # the plan does not apply to this model: a row that says so
+            return {"model": name, "plan": plan, "T": T, "refused": str(exc).splitlines()[0][:120]}
         seconds = time.perf_counter() - t0
         gc.collect()
         left = (rss_bytes() or 0) - before
@@ -163,6 +169,9 @@ def first_step_table(cells: list[dict[str, Any]]) -> str:
              "RSS left by step 1 - by step 3, MiB | same after malloc_trim, MiB | first step s | steady s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
+        if "refused" in c:
+            lines.append(f"| {c['model']} | {c['T']} | {c['plan']} | refused: {c['refused']} |" + " |" * 6)
+            continue
         first, steady = c["steps"][0], c["steps"][-1]
         ratio = first["peak"] / steady["peak"] if steady["peak"] else float("nan")
         lines.append(f"| {c['model']} | {c['T']} | {c['plan']} | {_mib(first['peak'])} | {_mib(steady['peak'])} | "
@@ -219,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capture-plans", default="none,seco,adjoint")
     ap.add_argument("--no-results", action="store_true", help="print only; leave RESULTS.md alone")
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--from-json", type=Path, default=None, help="report a --json file instead of measuring")
+    ap.add_argument("--from-json", default=None, help="report these comma-separated --json files instead of measuring")
     args = ap.parse_args(argv)
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
-        body = report(data["cells"], data["captures"])
+        cells, captures = [], []
+        for path in str(args.from_json).split(","):
+            data = json.loads(Path(path).read_text())
+            cells += data["cells"]
+            captures += data["captures"]
+        body = report(cells, captures)
         if not args.no_results:
             write_section("First step (issue 17)", body)
         print(body)
@@ -237,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cells.append(_in_worker(measure_cell, name, plan, T))
                 print(first_step_table(cells[-1:]).splitlines()[-1], flush=True)
+                if args.json:  # after every cell: a long run that stops keeps what it measured
+                    args.json.write_text(json.dumps({"cells": cells, "captures": []}, indent=1))
     captures = []
     for name in models:
         for plan in args.capture_plans.split(","):

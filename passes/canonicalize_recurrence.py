@@ -37,6 +37,7 @@ from gradshard.pipeline import PassContext, PassResult, graph_pass
 
 from gradshard.ops.dense_scan import is_scan_op
 from gradshard.passes.detect_recurrence import ScanSite, find_scan_sites
+from gradshard.passes.recurrence_lightning import rewrite_blocked_attention
 from gradshard.passes.recurrence_ssd import rewrite_ssd_regions
 from gradshard.passes.recurrence_fold import FoldedInitialState, emit_initial_state, match_folded_initial_state
 from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
@@ -168,14 +169,17 @@ def canonicalize_recurrences(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     # First: an SSD block region holds cumsums of its own that would be taken for scans.
     ssd = rewrite_ssd_regions(new, time_dims)
     heinsen = rewrite_heinsen_scans(new, time_dims)
+    # Blockwise (lightning) linear attention: slices + carried block state + cat -> one scan.
+    placeholders = new.graph.find_nodes(op="placeholder")
+    blocked = rewrite_blocked_attention(new, {p.name: v for p, v in zip(placeholders, ctx.example_inputs or ())})
     nodes = {n.name: n for n in new.graph.nodes}
     sites = [s for s in found if s.h in nodes and (
         len(s.covered) > 1 or s.written_as == "cumsum" or _fold_of(nodes, s) is not None)]
-    if not sites and not merged and not heinsen and not ssd:
+    if not sites and not merged and not heinsen and not ssd and not blocked:
         return PassResult(gm, notes=("scans already canonical",))
     live = live_nodes(new)
     notes = [f"restored {merged} matmul(s) decomposed over merged batch*time rows"] if merged else []
-    notes += ssd + heinsen
+    notes += ssd + heinsen + blocked
     for site in sites:
         if site.h not in {n.name for n in live}:
             continue

@@ -121,11 +121,46 @@ def body_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[Any],
     return fx.GraphModule(torch.nn.Module(), g, "LoopBody")
 
 
+_RUNNING_MAX = (aten.maximum.default, aten.max.other, aten.fmax.default)
+# roll_loops runs in the seco/spaco pipelines too, so this refusal leaves those without the loop
+_SEVERAL_HINT = ("use plan='none' (plain autograd) or plan='partial_update', or wrap the layer in "
+                 "torch.utils.checkpoint")
+
+
+def _refuse_several_carried(chain: LoopChain) -> None:
+    """Refuse, before the step comparison, a loop that carries several values from step to step
+    (read between steps 1 and 2 where there are three, so step 0's set-up cannot blur the count);
+    a running maximum among them is named: a max-stabilised recurrence (a log-sum-exp
+    normaliser kept as (scaled state, running max)) is not recognised as the linear one it
+    stabilises."""
+    first = 1 if len(chain.steps) >= 3 else 0
+    cur = chain.steps[first + 1]
+    carried = list(dict.fromkeys(a for n in cur for a in n.all_input_nodes if chain.step_of.get(a) == first))
+    if first:  # a per-step input read one step early (``x[:, t]`` kept for step t+1) is no state
+        on_state: set[fx.Node] = set()
+        for n in chain.steps[first]:
+            if any(chain.step_of.get(a) == first - 1 or a in on_state for a in n.all_input_nodes):
+                on_state.add(n)
+        carried = [a for a in carried if a in on_state]
+    if len(carried) <= 1:
+        return
+    names = ", ".join(f"`{c.name}`" for c in carried)
+    running_max = next((c for c in carried if c.target in _RUNNING_MAX), None)
+    if running_max is not None:
+        raise node_error(running_max, f"the loop carries {len(carried)} values from step to step ({names}), one of "
+                         "them a running maximum: a max-stabilised (log-sum-exp) recurrence, which gradshard does "
+                         "not yet recognise as the linear recurrence it stabilises; gradshard rolls loops that "
+                         "carry one linear state", _SEVERAL_HINT)
+    raise node_error(carried[0], f"the loop carries {len(carried)} values from step to step ({names}); gradshard "
+                     "rolls loops that carry one linear state", _SEVERAL_HINT)
+
+
 def analyse_state(gm: fx.GraphModule, chain: LoopChain) -> LoopState:
     """Check the steps, find the one carried state and the per-step readout (see the module doc).
 
     Rebuilds an initial state built inside step 0 (``zeros_like(x[:, 0])``) outside the loop.
     """
+    _refuse_several_carried(chain)
     _, init, prefix = check_isomorphic(chain)
     template = chain.steps[1]
     prev = chain.steps[0]

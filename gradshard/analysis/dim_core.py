@@ -21,7 +21,7 @@ import torch.fx as fx
 
 __all__ = [
     "Labels", "Factors", "NodeDims", "DimAnalysis", "DimsContext", "Rule", "DIM_RULES", "register_dim_rule",
-    "shape_of", "norm_dim", "merge_selected", "broadcast_dims", "tensor_args", "pointwise_rule",
+    "shape_of", "norm_dim", "merge_selected", "broadcast_dims", "tensor_args", "pointwise_rule", "carry_factors",
 ]
 
 Labels = tuple[frozenset[int], ...]
@@ -150,6 +150,26 @@ def register_dim_rule(*ops: Any) -> Callable[[Rule], Rule]:
 def norm_dim(d: int, nd: int) -> int:
     """``d`` as a non-negative dim of a rank-``nd`` tensor."""
     return d + nd if d < 0 else d
+
+
+def carry_factors(src: NodeDims | None, src_shape: tuple[int, ...], dims: Labels, out_shape: tuple[int, ...],
+                  source: Iterable[int | None]) -> tuple[Factors, ...] | None:
+    """Factors of an output whose dim ``i`` is dim ``source[i]`` of ``src`` (None: a dim of its own).
+
+    A carried dim of unchanged size keeps the factors of its source dim (a merged ``B*T`` stays
+    splittable); any other dim is one factor of its own labels. None when ``src`` has none.
+    """
+    if src is None or src.factors is None:
+        return None
+    out: list[Factors] = []
+    for i, j in enumerate(source):
+        size = out_shape[i] if i < len(out_shape) else 1
+        if (j is not None and j < len(src.factors) and j < len(src_shape) and src_shape[j] == size
+                and src.factors[j]):
+            out.append(src.factors[j])
+        else:
+            out.append(((dims[i], size),) if i < len(dims) and dims[i] and size != 1 else ())
+    return tuple(out)
 
 
 def merge_selected(node: fx.Node, ctx: DimsContext) -> frozenset[int]:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .dim_core import (DimsContext, Factors, Labels, NodeDims, broadcast_dims, merge_selected, norm_dim,
-                       pointwise_rule, register_dim_rule, shape_of)
+from .dim_core import (DimsContext, Factors, Labels, NodeDims, broadcast_dims, carry_factors, merge_selected,
+                       norm_dim, pointwise_rule, register_dim_rule, shape_of)
 
 aten = torch.ops.aten
 
@@ -28,7 +28,7 @@ _SAME_SHAPE_OPS = [
     aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like,
     aten.silu, aten.gelu, aten.relu, aten.softplus, aten.sigmoid, aten.tanh, aten.clamp,
     aten.lift_fresh_copy, aten.copy, aten.expand, aten.expand_as, aten.broadcast_to,
-    aten.masked_fill_, aten.copy_, aten.dropout_, aten.feature_dropout, aten.hardtanh,
+    aten.masked_fill_, aten.dropout_, aten.feature_dropout, aten.hardtanh,
     aten.leaky_relu, aten.elu, aten.mish, aten.logit, aten.nan_to_num, aten.pow, aten.lerp,
     aten.addcmul, aten.addcdiv, aten.clamp_min, aten.clamp_max, aten.bitwise_not,
     aten.logical_not, aten.logical_and, aten.logical_or, aten.eq, aten.ne, aten.lt, aten.le,
@@ -37,6 +37,42 @@ _SAME_SHAPE_OPS = [
     aten.square, aten.bernoulli,
 ]
 register_dim_rule(*_SAME_SHAPE_OPS)(pointwise_rule)
+
+
+def _partly_written_dims(dest: Any) -> set[int]:
+    """Dims along which ``dest`` is a strict sub-range (a chain of ``slice``/``narrow``) of a longer buffer."""
+    out: set[int] = set()
+    while isinstance(dest, fx.Node) and dest.target in (aten.slice.Tensor, aten.narrow.default):
+        base = dest.args[0]
+        shp, base_shp = shape_of(dest), shape_of(base) if isinstance(base, fx.Node) else None
+        if shp is None or base_shp is None or len(shp) != len(base_shp):
+            break
+        d = norm_dim(dest.args[1] if len(dest.args) > 1 else 0, len(shp))
+        if shp[d] != base_shp[d]:
+            out.add(d)
+        dest = base
+    return out
+
+
+@register_dim_rule(aten.copy_)
+def _copy_into_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    """``dest.copy_(src)`` unifies dims as a pointwise op does, except along a dim where ``dest`` is
+    a strict slice of a longer buffer: that axis is a concatenation of written pieces, as in ``cat``
+    (``states[:, k*d:(k+1)*d] = C_k`` stacks per-chunk states along a (chunk, d) axis), so the
+    piece's axis (``d``) is not the buffer's."""
+    dest, src = node.args[0], node.args[1]
+    partial = _partly_written_dims(dest)
+    if not partial or not isinstance(src, fx.Node):
+        return pointwise_rule(node, ctx)
+    out_shape, src_shape = shape_of(node) or (), shape_of(src) or ()
+    dest_dims, src_dims = ctx.dims(dest), ctx.dims(src)
+    off = len(out_shape) - len(src_shape)
+    for i, (size, ls) in enumerate(zip(src_shape, src_dims)):
+        j = i + off
+        if 0 <= j < len(out_shape) and j not in partial and size == out_shape[j] and size != 1:
+            ctx.unify([(dest_dims[j], ctx.factors(dest, j)), (ls, ctx.factors(src, i))])
+    d = ctx.get(dest)
+    return NodeDims(tuple(dest_dims), merge_selected(node, ctx), factors=d.factors if d is not None else None)
 
 
 @register_dim_rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full)
@@ -130,7 +166,24 @@ def _addmm_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     factors = None
     if ad is not None and ad.factors is not None and len(shape_of(a) or ()) == 2 and len(dims) == 2:
         factors = (ad.factors[0], ((dims[1], (shape_of(node) or (0, 0))[1]),) if dims[1] else ())
+    elif node.target is aten.baddbmm.default:
+        factors = _bias_checked_factors(_matmul_factors(a, b, shape_of(node) or (), dims, ctx), dims,
+                                        shape_of(node) or ())
     return NodeDims(dims, merge_selected(node, ctx), factors=factors)
+
+
+def _bias_checked_factors(factors: tuple[Factors, ...] | None, dims: Labels,
+                          out_shape: tuple[int, ...]) -> tuple[Factors, ...] | None:
+    """The product's factors, kept per dim only where they cover all of the dim's labels (a
+    bias that brings its own labels to a merged dim makes it one factor again): a ``bmm``
+    over a merged ``B*T`` row dim plus a bias stays splittable into ``B`` and ``T``."""
+    if factors is None:
+        return None
+    out: list[Factors] = []
+    for fs, ls, size in zip(factors, dims, out_shape):
+        covered = frozenset().union(*(f for f, _ in fs)) if fs else frozenset()
+        out.append(fs if ls <= covered else (((ls, size),) if ls and size != 1 else ()))
+    return tuple(out)
 
 
 @register_dim_rule(aten.linear)
@@ -218,7 +271,9 @@ def _reduce_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims |
         keep = bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False))
     red = set(range(len(dims))) if not rd else {norm_dim(d, len(dims)) for d in rd}
     out = tuple((frozenset() if i in red else ls) for i, ls in enumerate(dims) if keep or i not in red)
-    nd = NodeDims(out, merge_selected(node, ctx))
+    source = [None if i in red else i for i in range(len(dims)) if keep or i not in red]
+    nd = NodeDims(out, merge_selected(node, ctx),
+                  factors=carry_factors(ctx.get(src), shape_of(src) or (), out, _out_shape(node), source))
     if isinstance(node.meta.get("val"), (tuple, list)):
         return tuple(nd for _ in node.meta["val"])
     return nd
@@ -229,8 +284,20 @@ def _reduce_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims |
                    aten.rms_norm, aten.group_norm, aten.native_layer_norm, aten.tril, aten.triu,
                    aten.native_group_norm)
 def _keep_rank_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | None, ...]:
-    nd = NodeDims(ctx.dims(node.args[0]), merge_selected(node, ctx))
+    src = node.args[0]
+    dims = ctx.dims(src)
+    shp = shape_of(src) or ()
+    nd = NodeDims(dims, merge_selected(node, ctx),
+                  factors=carry_factors(ctx.get(src), shp, dims, _out_shape(node), range(len(dims))))
     return _first_output(node, nd)
+
+
+def _out_shape(node: fx.Node) -> tuple[int, ...]:
+    """Shape of ``node``'s (first) output."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)) and val and isinstance(val[0], torch.Tensor):
+        return tuple(int(s) for s in val[0].shape)
+    return shape_of(node) or ()
 
 
 @register_dim_rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu)

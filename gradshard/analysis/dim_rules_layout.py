@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .dim_core import (DimsContext, Factors, Labels, NodeDims, merge_selected, norm_dim, register_dim_rule,
-                       shape_of)
+from .dim_core import (DimsContext, Factors, Labels, NodeDims, carry_factors, merge_selected, norm_dim,
+                       register_dim_rule, shape_of)
 
 aten = torch.ops.aten
 
@@ -91,7 +91,32 @@ def _reshape_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     d = ctx.get(src)
     labels = d.dims if d else ctx.fresh_dims(in_shape)
     dims, factors = reshape_labels(in_shape, out_shape, labels, d.factors if d else None)
+    dims, factors = _unshare_unlinked_split(dims, factors, out_shape, ctx)
     return NodeDims(dims, d.selected if d else frozenset(), factors=factors)
+
+
+def _unshare_unlinked_split(dims: Labels, factors: tuple[Factors, ...], out_shape: tuple[int, ...],
+                            ctx: DimsContext) -> tuple[Labels, tuple[Factors, ...]]:
+    """Give each piece of a split dim a fresh label when the dim's labels are linked to nothing yet.
+
+    A split off factor boundaries gives every piece the dim's labels; for an axis with no
+    provenance (a buffer from ``zeros``, filled piecewise along a ``(chunk, d)`` axis) that shared
+    label would later tie the pieces together, e.g. a chunk index to a head dim.
+    """
+    seen: dict[frozenset[int], int] = {}
+    for ls, size in zip(dims, out_shape):
+        if ls and size != 1:
+            seen[ls] = seen.get(ls, 0) + 1
+    weights = ctx.a.classes.weights
+    shared = {ls for ls, k in seen.items() if k > 1 and all(weights[ctx.a.classes[l]] == 1 for l in ls)}
+    if not shared:
+        return dims, factors
+    out, out_f = list(dims), list(factors)
+    for i, (ls, size) in enumerate(zip(dims, out_shape)):
+        if ls in shared and size != 1:
+            fresh = frozenset([ctx.fresh()])
+            out[i], out_f[i] = fresh, ((fresh, size),)
+    return tuple(out), tuple(out_f)
 
 
 @register_dim_rule(aten.transpose, aten.swapaxes, aten.swapdims)
@@ -160,8 +185,23 @@ def _repeat_interleave_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     if dim is None:
         return NodeDims(ctx.fresh_dims(shape_of(node) or ()))
-    dims[norm_dim(dim, len(dims))] = frozenset()  # heads repeated: a new (non-time) axis
-    return NodeDims(tuple(dims), merge_selected(node, ctx))
+    d = norm_dim(dim, len(dims))
+    repeats = node.kwargs.get("repeats", node.args[1] if len(node.args) > 1 else None)
+    if not isinstance(repeats, int):  # tensor-valued repeats: a data-dependent new axis
+        dims[d] = frozenset()
+        return NodeDims(tuple(dims), merge_selected(node, ctx))
+    # integer repeats: element i of the output dim is element i // r of the input dim, a merged
+    # dim (input dim, r) -- tokens copied once per chosen expert keep their batch and time
+    in_shape, out_shape = shape_of(src) or (), shape_of(node) or ()
+    sd = ctx.get(src)
+    own = carry_factors(sd, in_shape, tuple(dims), in_shape, range(len(dims))) if sd is not None else None
+    if own is None:
+        own = tuple(((ls, s),) if ls and s != 1 else () for ls, s in zip(dims, in_shape))
+    factors = list(own)
+    factors[d] = tuple(own[d]) + (((frozenset(), repeats),) if repeats != 1 else ())
+    if in_shape[d] == 1:
+        dims[d] = frozenset()
+    return NodeDims(tuple(dims), merge_selected(node, ctx), factors=tuple(factors))
 
 
 # --------------------------------------------------------------------------- indexing
@@ -180,8 +220,13 @@ def _select_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
 @register_dim_rule(aten.slice, aten.narrow, aten.index_select, aten.constant_pad_nd, aten.pad,
                    aten.roll, aten.flip, aten.gather, aten.scatter, aten.index_add, aten.index_copy)
 def _same_rank_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
-    """Rank-preserving indexing: each output dim keeps its input labels (sizes may change)."""
-    return NodeDims(ctx.dims(node.args[0]), merge_selected(node, ctx))
+    """Rank-preserving indexing: each output dim keeps its input labels (sizes may change; a
+    dim of unchanged size keeps its factors)."""
+    src = node.args[0]
+    dims = ctx.dims(src)
+    return NodeDims(dims, merge_selected(node, ctx),
+                    factors=carry_factors(ctx.get(src), shape_of(src) or (), dims, shape_of(node) or (),
+                                          range(len(dims))))
 
 
 @register_dim_rule(aten.index)
@@ -195,8 +240,57 @@ def _index_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
         idx_dims = ctx.dims(idx_nodes[0]) if isinstance(idx_nodes[0], fx.Node) else ()
         out = tuple(dims[:k]) + tuple(idx_dims) + tuple(dims[k + 1 :])
         if len(out) == len(out_shape):
-            return NodeDims(out, merge_selected(node, ctx))
+            return NodeDims(out, merge_selected(node, ctx), factors=_index_factors(node, ctx, k, out, out_shape))
     return NodeDims(ctx.fresh_dims(out_shape))
+
+
+def _index_factors(node: fx.Node, ctx: DimsContext, k: int, out: Labels,
+                   out_shape: tuple[int, ...]) -> tuple[Factors, ...] | None:
+    """Factors of ``x[..., idx, ...]`` (one index tensor at dim ``k``): the index's dims keep the
+    index's factors (rows gathered per token keep a merged ``B*T``), the others ``x``'s."""
+    src, idx = node.args[0], node.args[1][k]
+    sd, idd = ctx.get(src), ctx.get(idx) if isinstance(idx, fx.Node) else None
+    if (sd is None or sd.factors is None) and (idd is None or idd.factors is None):
+        return None
+    src_shape, idx_shape = shape_of(src) or (), shape_of(idx) or ()
+    n_idx = len(idx_shape)
+    res: list[Factors] = []
+    for i, (ls, size) in enumerate(zip(out, out_shape)):
+        if k <= i < k + n_idx:
+            d, j, shp = idd, i - k, idx_shape
+        else:
+            d, j, shp = sd, (i if i < k else i - n_idx + 1), src_shape
+        if d is not None and d.factors is not None and j < len(d.factors) and shp[j] == size and d.factors[j]:
+            res.append(d.factors[j])
+        else:
+            res.append(((ls, size),) if ls and size != 1 else ())
+    return tuple(res)
+
+
+@register_dim_rule(aten.topk, aten.sort, aten.argsort)
+def _select_along_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims, ...]:
+    """Top-k / sort along one dim: the other dims keep their labels and factors; the selected
+    dim is a new axis (positions in the ranking, not the input's positions), one label shared
+    by the values and the indices."""
+    src = node.args[0]
+    in_shape = shape_of(src) or ()
+    dims = list(ctx.dims(src))
+    pos = 2 if node.target is aten.topk.default else 1
+    dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim", -1)
+    if isinstance(dim, bool) or not isinstance(dim, int):  # sort.stable takes the dim as a keyword
+        dim = node.kwargs.get("dim", -1)
+    d = norm_dim(dim, max(len(dims), 1))
+    val = node.meta.get("val")
+    first = val[0] if isinstance(val, (tuple, list)) else val
+    out_shape = tuple(int(s) for s in first.shape) if isinstance(first, torch.Tensor) else in_shape
+    if d < len(dims):
+        dims[d] = frozenset([ctx.fresh()]) if out_shape[d] != 1 else frozenset()
+    source = [None if i == d else i for i in range(len(dims))]
+    nd = NodeDims(tuple(dims), merge_selected(node, ctx),
+                  factors=carry_factors(ctx.get(src), in_shape, tuple(dims), out_shape, source))
+    if isinstance(val, (tuple, list)):
+        return tuple(nd for _ in val)
+    return nd
 
 
 @register_dim_rule(aten.embedding)
@@ -266,7 +360,11 @@ def _split_rule(node: fx.Node, ctx: DimsContext) -> tuple[NodeDims | None, ...]:
         dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, len(dims))
         rest = tuple(x for i, x in enumerate(dims) if i != dim)
         return tuple(NodeDims(rest, (d.selected if d else frozenset()) | dims[dim], index=i) for i in range(len(vals)))
-    return tuple(NodeDims(dims, d.selected if d else frozenset()) for _ in vals)
+    in_shape = shape_of(node.args[0]) or ()
+    return tuple(NodeDims(dims, d.selected if d else frozenset(),
+                          factors=carry_factors(d, in_shape, dims, tuple(int(s) for s in v.shape), range(len(dims)))
+                          if isinstance(v, torch.Tensor) else None)
+                 for v in vals)
 
 
 @register_dim_rule(operator.getitem)

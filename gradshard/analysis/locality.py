@@ -491,6 +491,14 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
         mask_nodes = [a for a in node.all_input_nodes if info.get(a.name) is not None and info[a.name].reach is None]
         now_causal = causal or any(is_causal_mask(tgt, m, known) for m in mask_nodes)
         return make(POINTWISE, "score matrix" + (" (causal mask)" if now_causal else ""), causal_=now_causal)
+    if tgt is aten.linalg_solve_triangular.default and any(len(i.time_dims) == 2 for _, i in timed):
+        # a solve along time reads only A's triangle: lower from the left is forward
+        # substitution (row t reads rows <= t); upper or from the right reads later rows
+        upper = node.args[2] if len(node.args) > 2 else node.kwargs.get("upper")
+        left = node.args[3] if len(node.args) > 3 else node.kwargs.get("left", True)
+        if upper or not left:
+            return make(GLOBAL, "triangular solve by back substitution reads later steps", causal_=False)
+        return make(ALL_PAST, "triangular solve by forward substitution along time", causal_=False)
     contracted = [i for _, i in timed if len(i.time_dims) == 2]
     if contracted and len(tdims) == 1:
         if any(i.causal_mask for i in contracted):

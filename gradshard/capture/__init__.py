@@ -1,7 +1,8 @@
 """Capture: turn a model or function into one aten-level fx graph, traced on fake tensors.
 
 ``trace`` holds the front doors (Python tracing, torch.fx, Dynamo) and the guards;
-``canonical`` removes capture artefacts (empty cat pieces, no-op casts); ``mutations``
+``canonical`` removes capture artefacts (empty cat pieces, no-op casts) and turns a fresh
+tensor filled step by step (``out[:, t] = y_t``) into a stack (``step_writes``); ``mutations``
 turns in-place buffer updates into graph outputs; ``substitutions`` swaps fused
 third-party kernels for traceable twins (``twins_mamba``) while tracing.
 """

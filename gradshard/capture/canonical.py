@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from gradshard.capture.step_writes import stack_step_writes
+
 __all__ = ["canonicalize", "CANONICAL_REWRITES", "drop_empty_cat_pieces", "drop_noop_casts"]
 
 aten = torch.ops.aten
@@ -69,7 +71,8 @@ def drop_noop_casts(gm: fx.GraphModule) -> int:
 
 
 #: The rewrites, in order (independent of one another so far).
-CANONICAL_REWRITES: tuple[Callable[[fx.GraphModule], int], ...] = (drop_empty_cat_pieces, drop_noop_casts)
+CANONICAL_REWRITES: tuple[Callable[[fx.GraphModule], int], ...] = (drop_empty_cat_pieces, drop_noop_casts,
+                                                                     stack_step_writes)
 
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:

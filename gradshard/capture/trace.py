@@ -282,6 +282,27 @@ def _record_module_stack(modules: Sequence[tuple[str, nn.Module]]):
             h.remove()
 
 
+@contextlib.contextmanager
+def _restore_plain_attributes(modules: Sequence[tuple[str, nn.Module]]):
+    """Undo what a traced forward assigns to modules' plain (non-parameter, non-buffer) tensor
+    attributes (a recurrent layer's ``self.state = h``): those values are tracing tensors,
+    which must not outlive the trace on the user's modules."""
+    saved: list[tuple[nn.Module, dict[str, Any]]] = []
+    for _, root in modules:
+        for mod in root.modules():
+            saved.append((mod, dict(vars(mod))))
+    try:
+        yield
+    finally:
+        for mod, before in saved:
+            for key, value in list(vars(mod).items()):
+                if isinstance(value, torch.Tensor) and (key not in before or before[key] is not value):
+                    if key in before:
+                        setattr(mod, key, before[key])
+                    else:
+                        delattr(mod, key)
+
+
 # --------------------------------------------------------------------------- front doors
 
 
@@ -438,6 +459,7 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
             new_leaves[pos] = t
         a, kw = pytree.tree_unflatten(new_leaves, in_spec)
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_restore_plain_attributes(modules))
             for prefix, mod in modules:
                 sub = {}
                 for (name, _), v in zip(named_params + named_buffers, (*p_vals, *b_vals)):

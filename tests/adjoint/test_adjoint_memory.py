@@ -162,7 +162,7 @@ def test_random_ops_are_never_recomputed():
     assert not any("dropout" in n or "bernoulli" in n for n in nodes), nodes
 
 
-@pytest.mark.parametrize("h0", [False, True])
+@pytest.mark.parametrize("h0", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_loop_stacking_its_states_saves_what_the_kernel_form_saves(h0):
     """``hs.append(h)`` in the loop and the readout (``einsum(c, stack(hs))``) after it: the stacked
     states are the scan's output, so the readout joins the region and h (B, T, N, P) is not kept."""

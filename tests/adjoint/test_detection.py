@@ -27,10 +27,12 @@ def test_nonlinear_recurrence_is_refused_with_the_node_and_an_alternative():
     assert "seco" in text and "checkpoint" in text
 
 
-def test_position_dependent_producer_is_refused():
-    cm = gs.compile(PositionalProducer().double(), plan="adjoint", shard_size=4)
-    with pytest.raises(UnsupportedGraphError, match="position-dependent"):
-        cm(_x())
+@pytest.mark.parametrize("plan, options", [("adjoint", {}), ("truncated_adjoint", {"window": 100})])
+def test_position_dependent_producer_enters_the_region_sliced(plan, options):
+    """Positions built in the graph (``arange``) are computed once outside the region and sliced
+    per shard like any region input: the sharded recompute reads the right positions."""
+    cm = assert_same_grads(init_like_training(PositionalProducer()), (_x(),), plan=plan, shard_size=4, **options)
+    assert any(r.kind == "linear_recurrence" for r in cm.regions)
 
 
 def test_model_without_recurrence_is_refused():

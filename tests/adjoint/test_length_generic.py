@@ -19,7 +19,7 @@ from gradshard.plans.adjoint.respecialize import RespecializeError, respecialize
 from .helpers import grads_of, rel_err
 
 
-@pytest.mark.parametrize("cls", [LoopSSMLM, SelectiveSSMLM])
+@pytest.mark.parametrize("cls", [pytest.param(LoopSSMLM, marks=pytest.mark.slow), SelectiveSSMLM])
 def test_captured_at_32_runs_at_1000(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls(SSMConfig(vocab_size=37, d_model=8, n_layers=2, d_state=3, learn_initial_state=True,

@@ -27,6 +27,7 @@ def _rank_step(rank, group):
             counter.bytes(direction="allreduce"))
 
 
+@pytest.mark.slow  # 11 s of threaded ranks; runs in `make test-all`
 def test_lasp_per_rank_prediction_matches_threaded_ranks():
     from gradshard.distributed.testing import run_threaded
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "FAMILIES", "ATTN_IMPLS", "RECURRENT", "NO_ATTENTION", "UNAVAILABLE",
-    "build", "inputs", "config_for", "causal_lm_loss", "float32_sites",
+    "build", "inputs", "config_for", "causal_lm_loss", "float32_sites", "Float64Everywhere",
 ]
 
 VOCAB = 96
@@ -327,8 +328,6 @@ def float32_sites(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
     variance, eager softmax, Mamba's scan, RWKV's WKV, ...) matches a rewritten gradient only
     to float32 precision when the rewrite reorders those float32 reductions.
     """
-    from torch.overrides import TorchFunctionMode
-
     sites: list[str] = []
 
     class _Probe(TorchFunctionMode):
@@ -346,3 +345,28 @@ def float32_sites(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
     with _Probe():
         result = fn(*args, **kwargs)
     return result, sites
+
+
+
+_UPCAST_METHODS = {torch.Tensor.float: torch.Tensor.double, torch.Tensor.half: torch.Tensor.double,
+                   torch.Tensor.bfloat16: torch.Tensor.double}
+
+
+def _upcast(x: Any) -> Any:
+    return torch.float64 if x in _LOW else x
+
+
+class Float64Everywhere(TorchFunctionMode):
+    """Run a float64 model's float32 islands in float64: every dtype argument that names
+    float32/16 becomes float64, and ``.float()``/``.half()``/``.bfloat16()`` become
+    ``.double()``. Under it, a model that casts to float32 internally computes in float64
+    throughout, so a rewritten gradient can be checked to float64 precision even where the
+    float32 computation is ill-conditioned (qwen3_next's gated delta rule: eager in float32
+    is 0.35 away from float64 on ``A_log``). Capture traces under the mode too.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        func = _UPCAST_METHODS.get(func, func)
+        args = tuple(_upcast(a) for a in args)
+        kwargs = {k: _upcast(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)

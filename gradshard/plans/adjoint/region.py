@@ -9,7 +9,9 @@ Given a :class:`~gradshard.passes.detect_recurrence.ScanSite` (``a``, ``u``, ``h
   ``h[:, -1]`` (the final state) becomes an extra region output.
 * **producers** -- walking back from ``a``, ``u``, ``h0`` and the readout's other inputs,
   every node whose (live) users are all in the region and that is time-local; where the walk
-  stops are the region inputs (the residual stream, parameters).
+  stops are the region inputs (the residual stream, parameters). A constant built in the
+  graph that differs between positions (``arange`` positions, a first-step reset mask) is
+  a region input too, sliced per shard, never recomputed by a shard.
 * **halo** -- producers are checked time-local relative to the region inputs: reach
   ``[lo, hi]`` (a causal conv1d of width ``w`` reads ``[-(w-1), 0]``) and boundary extents
   (positions near a window edge that differ from a shift-invariant computation: zero
@@ -17,8 +19,7 @@ Given a :class:`~gradshard.passes.detect_recurrence.ScanSite` (``a``, ``u``, ``h
   ``[s - lh, e + rh)`` and keeps ``[s, e)``.
 
 Anything that would make a shard recompute differ from the full computation is an error
-naming the node: position-dependent constants (``arange`` positions), producers reading
-unboundedly far (a cumsum feeding ``a``), a readout that is not pointwise in time.
+naming the node: producers reading unboundedly far (a cumsum feeding ``a``), a readout that is not pointwise in time.
 """
 
 from __future__ import annotations
@@ -142,10 +143,24 @@ class _Extractor:
         timed_in = any(self.timed(a) for a in n.all_input_nodes)
         if not info.time_dims:
             return not timed_in or n.target in METADATA_ONLY
+        if self.position_constant(n):
+            return False  # computed once outside, sliced per shard like any region input
         local = info.local
         if local is None:
             return True
         return not (math.isinf(local.lo) or math.isinf(local.hi))
+
+    def position_constant(self, n: fx.Node) -> bool:
+        """Whether ``n`` carries the time axis but reads no time-carrying graph input and differs
+        between positions (positions built from ``arange``, a mask of the first step): a shard
+        cannot rebuild it from its own steps, so it enters the region as an input, sliced."""
+        info = self.tl.info.get(n.name)
+        return (n.op == "call_function" and n.target not in METADATA_ONLY and info is not None
+                and bool(info.time_dims) and info.reach is None and not self.uniform(n))
+
+    def sliced(self, x: fx.Node) -> bool:
+        """Whether region input ``x`` is sliced along time per shard."""
+        return self.timed(x) or self.position_constant(x)
 
     def producer_closure(self, seeds: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
         """Nodes feeding ``seeds`` whose live users all lie in the region (one reverse sweep)."""
@@ -266,7 +281,7 @@ class _Extractor:
         loc: dict[fx.Node, Optional[_Loc]] = {}
         T = self.tl.seq_len
         for x in inputs:
-            d = _time_dim(self.tl, x, "region input") if self.timed(x) else None
+            d = _time_dim(self.tl, x, "region input") if self.sliced(x) else None
             if d is None:
                 loc[x] = None
                 continue
@@ -456,7 +471,7 @@ class _Extractor:
             f = self.facts.get(x.name, ())
             if (lh or rh) and (f[d] is None or f[d].kind != "shift"):
                 raise node_error(x, "a producer value with time merged into another dim needs a halo", _INSTEAD)
-        in_td = tuple(_time_dim(self.tl, x, "region input") if self.timed(x) else None for x in inputs)
+        in_td = tuple(_time_dim(self.tl, x, "region input") if self.sliced(x) else None for x in inputs)
         if all(d is None for d in in_td):
             raise node_error(self.h, "no region input carries the time axis", _INSTEAD)
         io = RegionIO(in_td, prod_td, out_td, final is not None, (lh, rh), T)

@@ -191,9 +191,15 @@ def _repeat_interleave_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if dim is None or not isinstance(src, fx.Node):
         raise node_error(node, "repeat_interleave without a dim flattens the tensor", _INSTEAD)
     d = _norm(dim, len(meta_shape(src)))
-    if any(t.dim == d for t in bc.frame(src)) or isinstance(_arg(node, 1, "repeats"), fx.Node):
-        raise node_error(node, "repeat_interleave along the time axis", _INSTEAD)
-    return positional(node, bc, lambda i, a, td: td if i == 0 else None)
+    repeats = _arg(node, 1, "repeats")
+    if isinstance(repeats, fx.Node):
+        if any(t.dim == d for t in bc.frame(src)):
+            raise node_error(node, "repeat_interleave along the time axis by tensor-valued repeats", _INSTEAD)
+        return positional(node, bc, lambda i, a, td: td if i == 0 else None)
+    # integer repeats along time: every element of a step is repeated in place, so the step
+    # keeps its window and its digit grows by the repeat count (tokens copied per MoE expert)
+    return positional(node, bc, lambda i, a, td: TDim(td.dim, td.length, td.inner * int(repeats))
+                      if td.dim == d else td)
 
 
 # --------------------------------------------------------------------------- indexing
@@ -463,3 +469,39 @@ def _triu_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     return positional(node, bc, lambda i, a, td: td, run=_triu_run)
 
 
+
+
+@register_chunk_rule(aten.topk, aten.sort, aten.argsort)
+def _select_along_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """Selection along one dim (top-k, sort): local when that dim is not time (a router picking
+    experts per token), refused along time (it compares steps with later ones)."""
+    src = node.args[0]
+    nd = len(meta_shape(src))
+    default = -1
+    dim = _norm(_arg(node, 2 if node.target is aten.topk.default else 1, "dim", default), nd)
+    if any(t.dim == dim for t in bc.frame(src)):
+        raise node_error(node, f"{op_name(node)} compares steps along the time axis (reads future steps)", _INSTEAD)
+    rule = positional(node, bc, lambda i, a, td: td)
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        rule.elem_frames = tuple(rule.frame for _ in node.meta["val"])
+    return rule
+
+
+@register_chunk_rule(aten.stack)
+def _stack_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """``stack`` of pieces that all run along time on the same dims: a new non-time dim is
+    inserted, each time dim moves past it. A stack that *makes* the time axis (loop steps
+    stacked back together) is refused here: it cannot run one chunk at a time."""
+    out = meta_shape(node)
+    dim = _norm(_arg(node, 1, "dim", 0), len(out))
+    pieces = [p for p in node.args[0] if isinstance(p, fx.Node)]
+    frames = [bc.frame(p) for p in pieces]
+    if not frames or any(f != frames[0] for f in frames) or not frames[0]:
+        raise node_error(node, "stacks pieces that do not all run along time the same way (loop steps "
+                         "stacked into a time axis, or time next to steps)", _INSTEAD)
+    return positional(node, bc, lambda i, a, td: TDim(td.dim + (td.dim >= dim), td.length, td.inner), run=_cat_run_stack)
+
+
+def _cat_run_stack(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
+    args, kwargs = rebuild_args(node, vals)
+    return torch.stack(list(args[0]), *args[1:], **kwargs)

@@ -1,0 +1,85 @@
+"""Dims rules for a buffer filled piecewise along a (chunk, d) axis, and the refusal of a loop
+that carries a running maximum beside its state (small non-HF models, float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradshard as gs
+from gradshard.analysis.locality import analyze_time_locality
+from gradshard.capture.trace import capture
+from gradshard.errors import GradshardError
+
+
+class ChunkStates(nn.Module):
+    """Per-chunk states written into ``states[:, c*d:(c+1)*d]``, read back as ``(B, nc, d, dv)``
+    (the layout of xLSTM's chunkwise kernel)."""
+
+    def __init__(self, d: int = 4, dv: int = 6, cs: int = 5, dm: int = 7) -> None:
+        super().__init__()
+        self.d, self.cs = d, cs
+        self.q = nn.Linear(dm, d, bias=False)
+        self.k = nn.Linear(dm, d, bias=False)
+        self.v = nn.Linear(dm, dv, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        d, cs = self.d, self.cs
+        nc = T // cs
+        q = self.q(x) * torch.sigmoid(x[..., :1].cumsum(1))
+        k, v = self.k(x), self.v(x)
+        states = x.new_zeros(B, (nc + 1) * d, v.shape[-1])
+        C = x.new_zeros(B, d, v.shape[-1])
+        for c in range(nc):
+            states[:, c * d:(c + 1) * d] = C
+            C = C + k[:, c * cs:(c + 1) * cs].transpose(1, 2) @ v[:, c * cs:(c + 1) * cs]
+        states[:, nc * d:] = C
+        Cs = states[:, :-d].view(B, nc, d, -1)
+        return (q.view(B, nc, cs, d) @ Cs).reshape(B, T, -1)
+
+
+def test_piecewise_state_buffer_does_not_tie_time_to_a_weight() -> None:
+    """Splitting the buffer's (chunk, d) axis must not give the chunk index and d one label
+    (which tied time to the q projection's output dim through the matmul)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 15, 7, dtype=torch.float64)
+    cap = capture(ChunkStates().double(), (x,))
+    tl = analyze_time_locality(cap.gm)
+    dims = {str(ph.meta.get("gs_input_name")): tl[ph].time_dims for ph in cap.gm.graph.find_nodes(op="placeholder")}
+    assert dims == {"q.weight": (), "k.weight": (), "v.weight": (), "input0": (1,)}
+
+
+class StabilisedSum(nn.Module):
+    """A log-sum-exp weighted running mean kept as (num, den, running max) per step."""
+
+    def __init__(self, dm: int = 5) -> None:
+        super().__init__()
+        self.k = nn.Linear(dm, dm)
+        self.w = nn.Parameter(-torch.rand(dm))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.k(x)
+        num = torch.zeros_like(x[:, 0])
+        den = torch.zeros_like(x[:, 0])
+        m = torch.zeros_like(x[:, 0]) - 1e30
+        ys = []
+        for t in range(x.shape[1]):
+            m_new = torch.maximum(m + self.w, k[:, t])
+            e1, e2 = torch.exp(m + self.w - m_new), torch.exp(k[:, t] - m_new)
+            num, den, m = e1 * num + e2 * x[:, t], e1 * den + e2, m_new
+            ys.append(num / den)
+        return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("plan, opts", [("adjoint", {"shard_size": 4}), ("seco", {"chunk_size": 4})])
+def test_loop_carrying_a_running_max_is_refused_naming_it(plan: str, opts: dict) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 5, dtype=torch.float64)
+    cm = gs.compile(StabilisedSum().double(), plan=plan, **opts)
+    with pytest.raises(GradshardError, match=r"running maximum") as info:
+        cm(x)
+    text = str(info.value)
+    assert "maximum" in text and "test_dims_piecewise_buffer.py" in text
+    assert "plan='seco'" not in text  # the advice names only plans that work here
