@@ -23,7 +23,7 @@ from gradshard.ops.rolled_body import RolledBody
 from gradshard.pipeline import ancestors
 
 from gradshard.passes.loop_chains import LoopChain
-from gradshard.passes.loop_steps import NONLINEAR_HINT, Update, analyse_update, check_isomorphic
+from gradshard.passes.loop_steps import NONLINEAR_HINT, UNROLLABLE_HINT, Update, analyse_update, check_isomorphic
 from gradshard.passes.recurrence_graph import fake_run
 
 aten = torch.ops.aten
@@ -122,9 +122,6 @@ def body_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[Any],
 
 
 _RUNNING_MAX = (aten.maximum.default, aten.max.other, aten.fmax.default)
-# roll_loops runs in the seco/spaco pipelines too, so this refusal leaves those without the loop
-_SEVERAL_HINT = ("use plan='none' (plain autograd) or plan='partial_update', or wrap the layer in "
-                 "torch.utils.checkpoint")
 
 
 def _refuse_several_carried(chain: LoopChain) -> None:
@@ -150,9 +147,9 @@ def _refuse_several_carried(chain: LoopChain) -> None:
         raise node_error(running_max, f"the loop carries {len(carried)} values from step to step ({names}), one of "
                          "them a running maximum: a max-stabilised (log-sum-exp) recurrence, which gradshard does "
                          "not yet recognise as the linear recurrence it stabilises; gradshard rolls loops that "
-                         "carry one linear state", _SEVERAL_HINT)
+                         "carry one linear state", UNROLLABLE_HINT)
     raise node_error(carried[0], f"the loop carries {len(carried)} values from step to step ({names}); gradshard "
-                     "rolls loops that carry one linear state", _SEVERAL_HINT)
+                     "rolls loops that carry one linear state", UNROLLABLE_HINT)
 
 
 def analyse_state(gm: fx.GraphModule, chain: LoopChain) -> LoopState:
@@ -185,7 +182,7 @@ def analyse_state(gm: fx.GraphModule, chain: LoopChain) -> LoopState:
         if bad:
             raise node_error(n, "the loop's per-step output reads the previous state (h_{t-1}) or the update's "
                              "intermediate values; gradshard needs outputs that read the new state h_t",
-                             "compute the outputs from the updated state, or use plan='seco'")
+                             "compute the outputs from the updated state, or " + UNROLLABLE_HINT)
     return LoopState(template, h_prev_t, h_new_t, h_init, upd, dep, readout)
 
 
@@ -228,7 +225,7 @@ def find_outside_uses(chain: LoopChain, state: LoopState) -> LoopUses:
                     continue
                 raise node_error(user, f"a value of step {t} of an unrolled loop is used outside the loop; "
                                  "gradshard rolls loops whose outputs are stacked per step or taken after the last step",
-                                 "collect per-step outputs in a list and torch.stack them, or use plan='seco'")
+                                 "collect per-step outputs in a list and torch.stack them, or " + UNROLLABLE_HINT)
     if not consumers:
         raise node_error(template[0], "the unrolled loop has no output", "return or stack the loop's outputs")
     return LoopUses(stack_outs, final_uses, consumers)

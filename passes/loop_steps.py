@@ -24,10 +24,14 @@ aten = torch.ops.aten
 
 __all__ = ["NONLINEAR_HINT", "Update", "check_isomorphic", "analyse_update"]
 
+#: Advice for a loop roll_loops cannot roll. roll_loops runs in the adjoint and the chunked
+#: (seco/spaco) pipelines alike, so only plans that leave loops alone may be recommended.
+UNROLLABLE_HINT = ("use plan='none' (plain autograd) or plan='partial_update', and wrap the layer in "
+                   "torch.utils.checkpoint to save memory: the adjoint and chunked plans (seco, spaco) "
+                   "need every per-step loop rolled into a scan first")
 NONLINEAR_HINT = (
-    "gradshard's adjoint plans need a state update linear in the state (h_t = a_t * h_{t-1} + u_t "
-    "or A_t @ h_{t-1} + u_t with a_t, u_t independent of h); use plan='seco' (chunked "
-    "recomputation works for any recurrence) or wrap the layer in torch.utils.checkpoint"
+    "gradshard's adjoint and chunked plans need a state update linear in the state (h_t = a_t * h_{t-1} "
+    "+ u_t or A_t @ h_{t-1} + u_t with a_t, u_t independent of h); " + UNROLLABLE_HINT
 )
 
 
@@ -111,7 +115,7 @@ def check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node], list[
             first = chain.steps[t][0]
             raise node_error(first, f"the unrolled loop's step {t} is not isomorphic to step 1 (the loop body "
                              "changes from step to step, or two loops interleave)",
-                             "write the loop so every step runs the same operations, or use plan='seco'")
+                             "write the loop so every step runs the same operations, or " + UNROLLABLE_HINT)
     nodes0 = chain.steps[0]
     skip = len(nodes0) - len(ref)
     init: dict[int, fx.Node] = {}

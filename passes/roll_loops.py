@@ -20,7 +20,8 @@ The linear forms accepted for the state update (``A``, ``U`` not depending on ``
 ``A * h + U`` (either operand order, ``A`` a tensor or a number), ``addcmul(U, A, h)``,
 ``h + U`` (``A = 1``), ``A @ h + U`` / ``matmul``/``bmm``/matmul-shaped ``einsum`` (dense).
 Anything else that feeds the next state (``tanh(W h + x)``) is an error naming the node,
-with ``seco`` or checkpointing suggested. One carried state per loop; the first step must
+with plain autograd (``none``) and checkpointing suggested: this pass runs in the chunked
+plans' pipelines too, so they cannot take such a loop either. One carried state per loop; the first step must
 be isomorphic to the others (its previous state is the loop's initial state).
 
 The rolled bodies hold no sequence length: the rolled program runs at any length. The pass

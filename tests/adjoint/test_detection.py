@@ -24,7 +24,12 @@ def test_nonlinear_recurrence_is_refused_with_the_node_and_an_alternative():
     text = str(err.value)
     assert "tanh" in text and "not linear in the state" in text
     assert "models.py" in text  # the user's source line
-    assert "seco" in text and "checkpoint" in text
+    assert "checkpoint" in text and "plan='none'" in text
+    # the chunked plans roll loops too, so they refuse the same loop: the advice must not name them
+    assert "plan='seco'" not in text
+    with pytest.raises(UnsupportedGraphError, match="not linear in the state"):
+        gs.compile(TanhRNN().double(), plan="seco", chunk_size=4)(_x())
+    gs.compile(TanhRNN().double(), plan="none")(_x()).sum().backward()  # the advice works
 
 
 @pytest.mark.parametrize("plan, options", [("adjoint", {}), ("truncated_adjoint", {"window": 100})])

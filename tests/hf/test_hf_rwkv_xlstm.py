@@ -34,6 +34,7 @@ def test_rwkv_wkv_loop_is_refused_naming_its_running_max(plan: str) -> None:
     with pytest.raises(GradshardError, match=r"node `maximum_\d+`") as info:
         _run_cell("rwkv", "eager", plan)
     assert "modeling_rwkv.py" in str(info.value)
+    assert "plan='seco'" not in str(info.value)  # seco rolls loops too: the advice names only plans that work
 
 
 @pytest.mark.slow
