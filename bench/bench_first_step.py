@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split(",")
     cells = []
     for name in models:
-        for T in map(int, args.seq_lens.split(",")):
+        for T in map(int, filter(None, args.seq_lens.split(","))):  # --seq-lens "": capture times only
             for plan in args.plans.split(","):
                 if plan in RECURRENT_PLANS and not MODELS.get(name, True):
                     continue

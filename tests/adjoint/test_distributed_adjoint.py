@@ -38,7 +38,7 @@ def test_split_layers():
         split_layers(2, 3)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("plan", ["adjoint", "truncated_adjoint"])
 def test_layer_sharded_equals_single_process(world, plan):
     torch.manual_seed(0)

@@ -55,6 +55,7 @@ def test_bernoulli_expectation_is_exact_loss_inside() -> None:
     assert rel_err(exact, mean) <= 1e-10
 
 
+@pytest.mark.slow  # the loss-inside case runs by default; suite time budget
 def test_bernoulli_expectation_is_exact_hybrid_loss_outside() -> None:
     model, (ids,) = hybrid(seq_len=9, batch=2, dtype=torch.float64)
     cot = torch.randn(2, 9, 256, dtype=torch.float64)

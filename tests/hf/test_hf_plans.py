@@ -36,7 +36,6 @@ EXACT = [
                              ("gpt2", "sdpa")]
       for p in ("none", "seco")],
     ("llama", "sdpa", "spaco"),
-    ("mamba", "sdpa", "seco"),
     ("mamba", "sdpa", "adjoint"),
     # Mamba-2's SSD block form (HF torch_forward), alone and in hybrids with attention
     *[("mamba2", "sdpa", p) for p in ("none", "seco", "adjoint")],
@@ -44,7 +43,7 @@ EXACT = [
     ("nemotron_h", "sdpa", "adjoint"),
 ]
 #: Run by the slow matrix below too; kept out of the default suite's time budget.
-EXACT_SLOW = [("mamba", "sdpa", "none"), ("mamba", "sdpa", "spaco"), ("mamba", "sdpa", "truncated_adjoint"),
+EXACT_SLOW = [("mamba", "sdpa", "none"), ("mamba", "sdpa", "seco"), ("mamba", "sdpa", "spaco"), ("mamba", "sdpa", "truncated_adjoint"),
               ("mamba2", "sdpa", "truncated_adjoint")]
 
 

@@ -42,7 +42,7 @@ def _step_bytes(seq_len: int, world: int) -> list[dict[str, int]]:
     return run_threaded(world, body)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_bytes_per_layer_are_one_state_and_independent_of_t(world: int) -> None:
     state = B * H * DK * DV * 8  # float64
     short, long = _step_bytes(23, world), _step_bytes(61, world)
