@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import gradshard as gs
 from gradshard.examples import factories
