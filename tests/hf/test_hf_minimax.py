@@ -10,15 +10,11 @@ same plans agree with eager to 1e-10.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import gradshard as gs
-
-from .test_hf_plans import OPTIONS, T, _run_cell, _tolerance, _weights
-from .zoo import build, inputs
+from .test_hf_plans import _compare, _run_cell, _tolerance
+from .zoo import build
 
 PLANS = ("seco", "spaco", "adjoint", "truncated_adjoint")
 CELLS = [(a, p) for a in ("sdpa", "eager") for p in PLANS]
@@ -40,19 +36,10 @@ def _float64_tables(model: torch.nn.Module) -> None:
 def _max_rel_err(plan: str, attn: str) -> float:
     model, config = build("minimax", attn=attn, fp64_loss=False)
     _float64_tables(model)
-    ref = copy.deepcopy(model)
-    ids = inputs(config, batch=2, T=T)["input_ids"]
-    cm = gs.compile(model, plan=plan, **OPTIONS[plan])
-    got, want = cm(input_ids=ids).logits, ref(input_ids=ids).logits
-    (got * _weights(got)).sum().backward()
-    (want * _weights(want)).sum().backward()
+    err, cm = _compare(model, config, plan)
     notes = " ".join(n for r in cm.passes if r.name == "canonicalize_recurrences" for n in r.notes)
     assert "blockwise linear attention" in notes, notes
-    errs = [float((got - want).detach().abs().max() / want.detach().abs().max())]
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
-        if p.grad is not None:
-            errs.append(float((q.grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)))
-    return max(errs)
+    return err
 
 
 def test_adjoint_is_exact_with_float64_decay_tables() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -52,11 +53,19 @@ def _weights(out: torch.Tensor) -> torch.Tensor:
 
 
 def _run_cell(family: str, attn: str, plan: str, *, float64: bool = False, **call: torch.Tensor) -> float:
-    """Max relative error of logits and parameter gradients, gradshard vs eager.
+    """Max relative error of logits and parameter gradients, gradshard vs eager, on the zoo's
+    ``family`` model (see :func:`_compare`)."""
+    model, config = build(family, attn=attn, fp64_loss=False)
+    return _compare(model, config, plan, float64=float64, **call)[0]
+
+
+def _compare(model: torch.nn.Module, config: Any, plan: str, *, float64: bool = False,
+             **call: torch.Tensor) -> tuple[float, gs.CompiledModule]:
+    """Max relative error of logits and parameter gradients, ``gs.compile(model, plan)`` vs a
+    copy of ``model`` run eagerly, and the compiled module.
 
     ``float64=True`` runs both (capture included) under :class:`Float64Everywhere`: the
     model's own float32 islands compute in float64 too."""
-    model, config = build(family, attn=attn, fp64_loss=False)
     ref = copy.deepcopy(model)
     batch = {"input_ids": inputs(config, batch=2, T=T)["input_ids"], **call}
     cm = gs.compile(model, plan=plan, **OPTIONS[plan])
@@ -71,7 +80,7 @@ def _run_cell(family: str, attn: str, plan: str, *, float64: bool = False, **cal
             assert q.grad is None or not q.grad.any(), name
             continue
         errs.append(float((q.grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)))
-    return max(errs)
+    return max(errs), cm
 
 
 def _tolerance(family: str, attn: str) -> float:
