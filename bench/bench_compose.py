@@ -1,6 +1,7 @@
-"""Benchmark gradshard composed with Inductor (issue 19) against eager and ``torch.compile``, CPU.
+"""Benchmark gradshard composed with Inductor (issue 19) against eager and ``torch.compile``.
 
-For each model (the example selective SSM, a log-space minGRU LM, the example Llama) and each
+For each model (the example selective SSM, a log-space minGRU LM, the example Llama, a
+``transformers`` Llama built from config) and each
 length T, one training step (forward, cross-entropy outside the model, backward) is measured
 with ``gs.measure`` after a warm-up step that captures and compiles:
 
@@ -14,16 +15,19 @@ with ``gs.measure`` after a warm-up step that captures and compiles:
 - ``backend_none`` / ``backend_adjoint`` / ``backend_seco``:
   ``torch.compile(model, backend=gs.backend(plan=...))``.
 
-Adjoint rows run on the recurrent models, seco rows on the attention model. Peak memory is the
-CPU allocator's peak during the step above what was live before it (``gs.measure``'s
-``allocator_peak_bytes``, from ``torch.profiler`` memory events; the same instrument for every
-row, since the process compiles before the first measurement); time is the median of
-``--repeat`` plain steps after the measured one. Writes "## Composing with Inductor (issue 19)"
-in ``RESULTS.md`` (``bench/`` in a checkout, the current folder for an installed gradshard).
+Adjoint rows run on the recurrent models, seco rows on the attention models. Peak memory is the
+allocator's peak during the step above what was live before it (``gs.measure``'s
+``allocator_peak_bytes``: on CPU from ``torch.profiler`` memory events, the same instrument for
+every row since the process compiles before the first measurement; on CUDA the CUDA caching
+allocator's ``max_memory_allocated``); time is the median of ``--repeat`` plain steps after the
+measured one (synchronized on CUDA). Writes "## Composing with Inductor (issue 19)" (CPU) or
+"## Composing with Inductor on GPU (issue 19)" (``--device cuda``) in ``RESULTS.md`` (``bench/``
+in a checkout, the current folder for an installed gradshard).
 
     python bench/bench_compose.py --quick             # T=1K,4K, one timed step per point
     python bench/bench_compose.py --seq-lens 1k,4k,8k --repeat 3
     python bench/bench_compose.py --models mingru --methods compile,gs_adjoint --no-write
+    python bench/bench_compose.py --device cuda --seq-lens 4k,16k --repeat 10
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ from gradshard.units import format_bytes  # noqa: E402
 from results_md import OUTPUT_DIR, RESULTS, write_section  # noqa: E402
 
 HEADING = "## Composing with Inductor (issue 19)"
-MODELS = ("ssm", "mingru", "llama")
-RECURRENT = ("ssm", "mingru")
+HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
+MODELS = ("ssm", "mingru", "llama", "hf_llama")
+RECURRENT = ("ssm", "mingru")  # adjoint rows; the others get seco rows
 METHODS = ("eager", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager", "gs_seco",
            "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
 DEFAULT_METHODS = METHODS
@@ -104,8 +109,36 @@ class MinGRULM(nn.Module):
         return self.lm_head(self.norm_f(x))
 
 
+class LogitsOf(nn.Module):
+    """A ``transformers`` causal LM called as ``model(ids) -> logits`` (the bench's step convention)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def hf_llama() -> nn.Module:
+    """A random-weight ``transformers`` LlamaForCausalLM the size of the example Llama."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:  # the dev extra pins it; the wheel does not need it otherwise
+        raise SystemExit("bench_compose --models hf_llama needs `transformers` (pip install gradshard[dev])") from exc
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20,
+                         attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    return LogitsOf(LlamaForCausalLM(config))
+
+
 def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, str]:
     """The model, a batch of token ids, and a description for the table's caption."""
+    if name == "hf_llama":
+        ids = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(T))
+        return hf_llama(), ids, ("`transformers` LlamaForCausalLM from config: d=64, 4 layers, 4 heads (2 KV), "
+                                 "SDPA, called as `model(input_ids=ids).logits`")
     if name == "ssm":
         model, (ids,) = factories.ssm(d_model=64, n_layers=4, d_state=16, seq_len=T, batch=batch)
         return model, ids, "example selective SSM (`factories.ssm`): d=64, N=16, 4 layers, log-space cumsum scan"
@@ -152,17 +185,19 @@ def runner(method: str, model: nn.Module, *, shard: int, chunk: int) -> tuple[Ca
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def warm_up_inductor() -> None:
+def warm_up_inductor(device: torch.device) -> None:
     """Compile something tiny first: Inductor's one-time start-up is not charged to a row, and
     ``gs.measure`` traces the CPU allocator for every row (it does once anything has compiled)."""
     fn = torch.compile(lambda x: (x.sin() * 2).sum(), dynamic=False)
-    fn(torch.randn(8, requires_grad=True)).backward()
+    fn(torch.randn(8, requires_grad=True, device=device)).backward()
     torch._dynamo.reset()
 
 
-def measure_one(model_name: str, method: str, T: int, batch: int, shard: int, chunk: int, repeat: int) -> dict:
+def measure_one(model_name: str, method: str, T: int, batch: int, shard: int, chunk: int, repeat: int,
+                device: torch.device = torch.device("cpu")) -> dict:
     torch._dynamo.reset()  # every torch.compile row compiles afresh, under its own config
     model, ids, desc = make_model(model_name, T, batch)
+    model, ids = model.to(device), ids.to(device)
     run, label = runner(method, model, shard=shard, chunk=chunk)
     labels = torch.roll(ids, -1, 1)
 
@@ -202,6 +237,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def machine(device: torch.device) -> str:
+    """The device the rows ran on, for the table's caption."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return (f"{props.name} ({format_bytes(props.total_memory)}, CUDA {torch.version.cuda}), host "
+                f"{cpu_name()}, torch {torch.__version__}")
+    return (f"{cpu_name()}, {os.cpu_count()} cores shared with other jobs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads)")
+
+
 def cpu_name() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -226,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--notes", default="", help="text appended under the table")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
     if args.quick:
         args.seq_lens, args.repeat = "1k,4k", 1
     if args.threads:
@@ -237,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = sorted(set(methods) - set(METHODS)) + sorted(set(models) - set(MODELS))
     if bad:
         p.error(f"unknown method/model {bad}; methods: {METHODS}, models: {MODELS}")
-    warm_up_inductor()
+    warm_up_inductor(device)
     rows: list[dict] = []
     descs: dict[str, str] = {}
     for model_name in models:
@@ -245,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             for method in methods:
                 if not applies(method, model_name):
                     continue
-                r = measure_one(model_name, method, T, args.batch, args.shard_size, args.chunk_size, args.repeat)
+                r = measure_one(model_name, method, T, args.batch, args.shard_size, args.chunk_size, args.repeat,
+                                device)
                 gc.collect()  # the row's model and compiled code are garbage now
                 descs[model_name] = r["model_desc"]
                 rows.append(r)
@@ -253,25 +303,27 @@ def main(argv: list[str] | None = None) -> int:
                       f"{format_bytes(r['peak']):>10s} ({r['peak_source']})  first call {r['first_call_s']:.1f} s",
                       flush=True)
     if not args.no_write:
-        raw = OUTPUT_DIR / "out" / "bench_compose.json"
+        raw = OUTPUT_DIR / "out" / f"bench_compose{'_' + device.type if device.type != 'cpu' else ''}.json"
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(rows, indent=1))
     text = (
         "Models: " + "; ".join(f"{k}: {v}" for k, v in descs.items())
         + f". Batch {args.batch}, float32, vocab 256, cross-entropy outside the model; adjoint shard "
-        f"{args.shard_size}, seco chunk {args.chunk_size}. Machine: {cpu_name()}, {os.cpu_count()} cores shared "
-        f"with other jobs, torch {torch.__version__} ({torch.get_num_threads()} threads). Step time: median of "
-        f"{args.repeat} step(s) after a warm-up step and one measured step (noisy on this shared machine); peak: "
-        "the CPU allocator's peak during the step above what was live before it (`gs.measure`, "
-        "`allocator_peak_bytes`: torch.profiler memory events, the same instrument for every row); first call: "
-        "capture + plan + Inductor compile of the forward and backward (Inductor's on-disk caches were warm "
+        f"{args.shard_size}, seco chunk {args.chunk_size}. Machine: {machine(device)}. Step time: median of "
+        f"{args.repeat} step(s) after a warm-up step and one measured step"
+        + (" (noisy on this shared machine); peak: the CPU allocator's peak during the step above what was live "
+           "before it (`gs.measure`, `allocator_peak_bytes`: torch.profiler memory events, the same instrument "
+           "for every row); first call: " if device.type == "cpu" else
+           ", synchronized; peak: the CUDA caching allocator's `max_memory_allocated` during the step above what "
+           "was allocated before it (`gs.measure`); first call: ")
+        + "capture + plan + Inductor compile of the forward and backward (Inductor's on-disk caches were warm "
         "for kernels seen before). Ratios are to plain `torch.compile` at the same model and T.\n\n"
         + table(rows)
         + (f"\n\n{args.notes}" if args.notes else "")
     )
     print(text)
     if not args.no_write:
-        write_section(HEADING, text, Path(args.out))
+        write_section(HEADING if device.type == "cpu" else HEADING_GPU, text, Path(args.out))
     return 0
 
 

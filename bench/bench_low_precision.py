@@ -2,6 +2,7 @@
 
     python bench/bench_low_precision.py                        # T=4096, bf16 + fp16, every plan
     python bench/bench_low_precision.py --models ssm --dtypes bfloat16 --seq-len 1024 --no-results
+    python bench/bench_low_precision.py --device cuda            # on a GPU: its own section
 
 For each model, dtype and plan: the model is built in float32 from a fixed seed, copied to
 float64 (the reference) and to the dtype; eager autograd in the dtype and ``gs.compile`` in the
@@ -61,7 +62,7 @@ def grads(model: torch.nn.Module, run: Any, ids: torch.Tensor) -> list[torch.Ten
     for p in model.parameters():
         p.grad = None
     out = run(ids)
-    w = torch.linspace(0.5, 1.5, out.numel(), dtype=torch.float64).reshape(out.shape)
+    w = torch.linspace(0.5, 1.5, out.numel(), dtype=torch.float64, device=out.device).reshape(out.shape)
     (out.double() * w).sum().backward()
     return [p.grad.double() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64)
             for p in model.parameters()]
@@ -77,9 +78,11 @@ def error(got: list[torch.Tensor], truth: list[torch.Tensor]) -> float:
     return worst
 
 
-def measure(name: str, dtype: torch.dtype, T: int, plans: list[str], d_model: int = 64) -> list[dict[str, Any]]:
+def measure(name: str, dtype: torch.dtype, T: int, plans: list[str], d_model: int = 64,
+            device: str = "cpu") -> list[dict[str, Any]]:
     """Rows ``{model, dtype, run, error}``: eager first, then each plan that applies."""
     model, ids = build(name, T, d_model)
+    model, ids = model.to(device), ids.to(device)
     ref = copy.deepcopy(model).double()
     truth = grads(ref, ref, ids)
     eager = copy.deepcopy(model).to(dtype)
@@ -135,19 +138,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans", default=",".join(PLAN_OPTIONS))
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--no-results", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         for dt in args.dtypes.split(","):
-            rows += measure(name, getattr(torch, dt), args.seq_len, args.plans.split(","))
+            rows += measure(name, getattr(torch, dt), args.seq_len, args.plans.split(","), device=args.device)
             print(table(rows).splitlines()[-1], flush=True)
-    body = (f"Machine: CPU ({platform.machine()}, {os.environ.get('OMP_NUM_THREADS')} thread), torch "
+    where = (f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if args.device.startswith("cuda") else
+             f"CPU ({platform.machine()}, {os.environ.get('OMP_NUM_THREADS')} thread)")
+    body = (f"Machine: {where}, torch "
             f"{torch.__version__}, {time.strftime('%Y-%m-%d')}. `python bench/bench_low_precision.py`: T = "
             f"{args.seq_len}, batch 1, d_model 64, 2 layers; chunk and shard 512. Error: the worst parameter's "
             "max |g - g64| / max |g64| against the same model in float64 (partial_update: over the "
             "parameters it trains).\n\n" + table(rows))
     if not args.no_results:
-        write_section("Low precision (issue 20)", body)
+        write_section("Low precision (issue 20)" if args.device == "cpu" else "Low precision on GPU (issue 20)", body)
     print(body)
     return 0
 

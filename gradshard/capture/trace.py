@@ -396,6 +396,24 @@ def _why_trace_failed(exc: BaseException) -> str:
             "then fix the inputs or the model")
 
 
+def _misplaced_inputs(state: Sequence[tuple[str, torch.Tensor]], call: tuple[tuple, dict]) -> str | None:
+    """The ``why``/``instead`` lines when input tensors live on another device than the model's
+    parameters and buffers (all on one device), else None."""
+    homes = {t.device for _, t in state}
+    if len(homes) != 1:
+        return None
+    home = homes.pop()
+    leaves, _ = pytree.tree_flatten_with_path(call)
+    away = [(("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:]), t.device) for path, t in leaves
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device != home]
+    if not away:
+        return None
+    names = ", ".join(f"input {name} is on {dev}" for name, dev in away)
+    return (f"  why: {names}, but the model's parameters and buffers are on {home}\n"
+            f"  instead: move the inputs to the model's device first (`x.to('{home}')`), or the model to "
+            "theirs (`model.to(device)`) before the first call")
+
+
 def _explain_trace_failure(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
@@ -491,8 +509,9 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
     except CaptureError:
         raise
     except Exception as exc:
+        why = _misplaced_inputs(named_params + named_buffers, (args, kwargs)) or _why_trace_failed(exc)
         raise CaptureError("could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
-                           + _why_trace_failed(exc)) from exc
+                           + why) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
     canonicalize(gm)
     phs = list(gm.graph.find_nodes(op="placeholder"))

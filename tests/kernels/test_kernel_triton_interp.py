@@ -1,7 +1,8 @@
-"""Triton kernels vs the torch reference under the Triton interpreter (CPU).
+"""Triton kernels vs the torch reference: compiled on CUDA, under the Triton interpreter on CPU.
 
-Triton picks interpreter mode when the kernels are defined, so the real tests run in a child
-pytest process started with TRITON_INTERPRET=1; the parent only launches it and reports.
+With a CUDA device the tests run directly on it (the kernels compiled for the GPU). Without one,
+Triton picks interpreter mode when the kernels are defined, so the tests run in a child pytest
+process started with TRITON_INTERPRET=1; the parent only launches it and reports.
 Tolerances: float64 1e-12 (same arithmetic, different association), float32 1e-5 relative,
 float16/bfloat16 two output ulps (accumulation is float32, only the output is rounded).
 """
@@ -12,6 +13,8 @@ import torch
 from tests.interpreted import INTERPRETED, run_under_interpreter
 
 F64 = torch.float64
+ON_CUDA = torch.cuda.is_available() and not INTERPRETED
+DEV = torch.device("cuda" if ON_CUDA else "cpu")
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -22,7 +25,7 @@ def tol(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 2 * torch.finfo(dtype).eps)
 
 
-if not INTERPRETED:
+if not INTERPRETED and not ON_CUDA:
 
     def test_triton_kernels_under_interpreter():
         run_under_interpreter(__file__)
@@ -42,7 +45,7 @@ else:
         a[a.abs() < 0.1] = 0.0
         u = torch.randn(batch, length, 2, 3, generator=g, dtype=F64)
         h0 = torch.randn(batch, 2, 3, generator=g, dtype=F64)
-        return a.to(dtype), u.to(dtype), h0.to(dtype)
+        return a.to(DEV, dtype), u.to(DEV, dtype), h0.to(DEV, dtype)
 
     @pytest.mark.parametrize(
         "length,batch,reverse,with_h0,chunk",
@@ -64,7 +67,7 @@ else:
         got = scan_triton(a, buf, h0, reverse=reverse, chunk=chunk, out=buf)
         assert got.data_ptr() == buf.data_ptr() and rel(got, want) <= tol(F64)
         with pytest.raises(ValueError, match="contiguous"):
-            scan_triton(a, u, h0, out=torch.empty(3, 2, 37, 3, dtype=F64).transpose(1, 2))
+            scan_triton(a, u, h0, out=torch.empty(3, 2, 37, 3, dtype=F64, device=DEV).transpose(1, 2))
 
     @pytest.mark.parametrize("a_shape", [(3, 19, 2, 1), (1, 19, 2, 3), (3, 1, 2, 3)])
     def test_scan_broadcast_coefficients(a_shape):
@@ -83,7 +86,7 @@ else:
         a, u, h0 = scan_inputs(2, 13)
         for t in (a, u, h0):
             t.requires_grad_(True)
-        g = torch.randn(u.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+        g = torch.randn(u.shape, dtype=F64, generator=torch.Generator().manual_seed(3)).to(DEV)
         got = torch.autograd.grad((gk.linear_scan(a, u, h0, backend="triton") * g).sum(), (a, u, h0))
         ref = torch.autograd.grad((scan_naive(a, u, h0) * g).sum(), (a, u, h0))
         for x, y in zip(got, ref):
@@ -94,8 +97,8 @@ else:
     )
     def test_adjoint_shard_matches_torch(length, with_state, per_head):
         a, u, h0 = scan_inputs(3, length, a_shape=(3, length, 2, 1) if per_head else None)
-        g = torch.randn(u.shape, dtype=F64, generator=torch.Generator().manual_seed(5))
-        carry = torch.randn(h0.shape, dtype=F64, generator=torch.Generator().manual_seed(6))
+        g = torch.randn(u.shape, dtype=F64, generator=torch.Generator().manual_seed(5)).to(DEV)
+        carry = torch.randn(h0.shape, dtype=F64, generator=torch.Generator().manual_seed(6)).to(DEV)
         h0, carry = (h0, carry) if with_state else (None, None)
         got = adjoint_shard_triton(a, u, g, h0, carry, (F64, F64, F64))
         ref = adjoint_shard_torch(a, u, g, h0, carry)
@@ -111,8 +114,8 @@ else:
         s0, ds = (torch.randn(batch, 2, 5, 6, generator=g, dtype=F64) for _ in range(2))
         d = {"none": None, "head": (0.5 + 0.5 * torch.rand(2, generator=g, dtype=F64)).view(1, 2, 1).expand(batch, 2, length),
              "steps": 0.3 + 0.7 * torch.rand(batch, 2, length, generator=g, dtype=F64)}[decay]
-        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-        return [cast(t) for t in (q, k, v, d)] + [s0, do.to(dtype), ds]
+        cast = lambda t: None if t is None else t.to(DEV, dtype)  # noqa: E731
+        return [cast(t) for t in (q, k, v, d)] + [s0.to(DEV), do.to(DEV, dtype), ds.to(DEV)]
 
     @pytest.mark.parametrize(
         "length,batch,decay,with_state",
@@ -140,6 +143,7 @@ else:
         v, do = (torch.randn(1, 2, length, 20, generator=g, dtype=F64) for _ in range(2))
         s0, ds = (torch.randn(1, 2, 18, 20, generator=g, dtype=F64) for _ in range(2))
         d = 0.3 + 0.7 * torch.rand(1, 2, length, generator=g, dtype=F64)
+        q, k, v, do, s0, ds, d = (t.to(DEV) for t in (q, k, v, do, s0, ds, d))
         got = lightning_fwd_triton(q, k, v, d, s0, 16, F64, F64)
         ref = lightning_fwd_torch(q, k, v, d, s0, 16, F64) if length else (v.clone(), s0.clone())
         assert all(x.shape == y.shape and rel(x, y) <= tol(F64) for x, y in zip(got, ref))
