@@ -213,7 +213,7 @@ def measure_one(model_name: str, method: str, T: int, batch: int, shard: int, ch
         first = time.perf_counter() - t0
         m = gs.measure(step, ids, repeat=repeat)
     peak = m.allocator_peak_bytes if m.allocator_peak_bytes is not None else m.peak_bytes
-    source = "cpu_allocator" if m.allocator_peak_bytes is not None else m.peak_source
+    source = m.peak_source if device.type == "cuda" or m.allocator_peak_bytes is None else "cpu_allocator"
     out = {"model": model_name, "model_desc": desc, "method": method, "label": label, "T": T, "peak": peak,
            "peak_source": source, "seconds": m.seconds, "first_call_s": first,
            "compiled_runs": m.compiled_regions}

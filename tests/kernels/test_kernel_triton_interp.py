@@ -171,10 +171,13 @@ else:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
     def test_lightning_low_precision(dtype):
+        """Half inputs: the kernels' dots run in tf32 on the GPU (10-bit mantissa), so the float32
+        state is good to tf32's rounding there; the interpreter computes those dots in full fp32."""
         q, k, v, d, s0, do, ds = lightning_inputs(1, 21, "steps", dtype=dtype)
         o, s = lightning_fwd_triton(q, k, v, d, s0, 16, dtype, torch.float32)
         o_ref, s_ref = lightning_naive(*(t.double() for t in (q, k, v, d, s0)))
-        assert o.dtype == dtype and rel(o, o_ref) <= tol(dtype) and rel(s, s_ref) <= 1e-5
+        state_tol = 2 * 2.0**-10 if ON_CUDA and dtype != torch.float32 else 1e-5
+        assert o.dtype == dtype and rel(o, o_ref) <= tol(dtype) and rel(s, s_ref) <= state_tol
         got = lightning_bwd_triton(q, k, v, d, s0, do, ds, 16, torch.float32)
         ref = lightning_bwd_torch(*(t.double() for t in (q, k, v, d, s0, do, ds)), 16, F64)
         for x, y in zip(got, ref):
