@@ -137,3 +137,21 @@ def test_model_with_gradshard_ops_counts_the_predicted_total() -> None:
     with FlopCounterMode(display=False) as plain:
         model(x).sum().backward()
     assert plain.get_total_flops() == m.flops
+
+
+def test_sdpa_formula_that_rejects_gqa_counts_key_value_broadcast_to_the_query_heads() -> None:
+    """torch < 2.13's SDPA formulas assert on grouped-query shapes (seen on the GPU image's torch
+    2.11: every GQA model refused under seco); the wrapper hands them key/value at the query's heads."""
+    from gradshard.ops.aten_flops import count_gqa_broadcast
+
+    def strict(grad_out, q, k, v, *args, out_val=None, **kwargs):  # a registry entry as torch 2.11 has it
+        k_shape = k.shape if isinstance(k, torch.Tensor) else k
+        assert q.shape[1] == k_shape[1], "sdpa_backward_flop_count: batch/heads mismatch among tensors"
+        return q.shape[0] * q.shape[1] * q.shape[2] * k_shape[2]
+
+    q, kv = torch.empty(2, 4, 5, 8), torch.empty(2, 2, 7, 8)
+    with pytest.raises(AssertionError):
+        strict(q, q, kv, kv)
+    assert count_gqa_broadcast(strict, (1, 2, 3))(q, q, kv, kv) == 2 * 4 * 5 * 7
+    # Equal heads pass through unchanged.
+    assert count_gqa_broadcast(strict, (1, 2, 3))(q, q, q, q) == 2 * 4 * 5 * 5
