@@ -108,11 +108,14 @@ def scan_triton(
     out_dtype: Optional[torch.dtype] = None,
     chunk: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    tiles: Optional[tuple[int, int, int]] = None,
 ) -> torch.Tensor:
     """Same contract as :func:`gradshard.kernels.scan_torch.scan_torch`; ``chunk`` forces the time chunk.
 
     ``out``: a contiguous ``u``-shaped tensor of ``out_dtype`` to write into; it may be ``u``
     itself (every program reads a tile of ``u`` before writing the same tile of ``out``).
+    ``tiles``: ``(BLOCK_T, BLOCK_N, num_warps)`` instead of :func:`_blocks`'s (for tuning:
+    ``bench/bench_scan_tiles.py``).
     """
     check_device(u)
     acc = accumulation_dtype(torch.promote_types(a.dtype, u.dtype))
@@ -132,13 +135,13 @@ def scan_triton(
     o3 = out.view(batch, length, n)
     sa = state_strides(a, u.shape)
     h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
-    block_t, block_n = _blocks(n)
+    block_t, block_n, warps = tiles if tiles is not None else (*_blocks(n), 4)
     if chunk is None:
         chunk = _default_chunk(batch, n, length, block_t, block_n, u.device)
     chunk = max(1, min(int(chunk), length))
     n_chunks = triton.cdiv(length, chunk)
     grid = (triton.cdiv(n, block_n), n_chunks, batch)
-    common = dict(BLOCK_T=block_t, BLOCK_N=block_n, ACC=tl_dtype(acc), REVERSE=bool(reverse))
+    common = dict(BLOCK_T=block_t, BLOCK_N=block_n, ACC=tl_dtype(acc), REVERSE=bool(reverse), num_warps=warps)
     a_args = (length, n, sa.inner, chunk, sa.batch, sa.time, sa.outer_stride, sa.inner_stride)
     if n_chunks == 1:
         carry = h0_2 if h0_2 is not None else u3
@@ -154,7 +157,7 @@ def scan_triton(
         o3.stride(0), o3.stride(1), sum_h.stride(0), sum_h.stride(1),
         HAS_CARRY=False, SUMMARY=True, **common,
     )
-    ends = scan_triton(sum_p, sum_h, h0_2, reverse=reverse, out_dtype=acc)
+    ends = scan_triton(sum_p, sum_h, h0_2, reverse=reverse, out_dtype=acc, tiles=tiles)
     edge = torch.zeros_like(ends[:, :1]) if h0_2 is None else h0_2.to(acc).unsqueeze(1)
     carries = torch.cat([ends[:, 1:], edge], 1) if reverse else torch.cat([edge, ends[:, :-1]], 1)
     carries = carries.contiguous()
