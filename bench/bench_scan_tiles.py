@@ -8,7 +8,7 @@ num_warps)`` of the grid below, once in one pass (``chunk=T``: each program walk
 sequence for its channels) and once with the kernel's default time chunking (two passes when
 ``batch x channel blocks`` leaves the GPU underused). Prints GB/s at the minimum traffic (read
 a, u, write h) and the fraction of the device's HBM bandwidth from ``gradshard.cost.devices``;
-the kernel's tile policy (:func:`gradshard.kernels.triton.scan._blocks`) is tuned from this.
+the kernel's tile policy (:func:`gradshard.kernels.triton.scan._tiles`) is tuned from this.
 """
 
 from __future__ import annotations

@@ -79,18 +79,31 @@ def _scan_chunk_kernel(
         tl.store(SUM_P + pid_b * ss_b + pid_c * ss_c + n, prod, mask=nmask)
 
 
-def _blocks(n: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_N): tiny tiles under the interpreter (it scans element by element)."""
+def _tiles(batch: int, n: int, length: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_N, num_warps, time chunk)`` for a ``(batch, length, n)`` scan.
+
+    From the tile sweep on an H200 (``bench/bench_scan_tiles.py``, RESULTS.md "Kernels"): with at
+    least 1.5 programs per SM, one pass of tall 128 x 32 tiles is fastest (float32 4 x 16K x 2048:
+    67% of HBM bandwidth, against 38% with two passes); with fewer, time is chunked (two passes)
+    and short 32 x 64 tiles with 2 warps do best (1 x 64K x 2048: 45%). Tiny tiles under the
+    interpreter (it scans element by element); the one-pass tiles for launches recorded on CPU
+    tensors (:mod:`.aot`).
+    """
     if INTERPRETED:
-        return 8, min(16, triton.next_power_of_2(max(1, n)))
-    return 32, min(128, max(16, triton.next_power_of_2(max(1, n))))
+        return 8, min(16, triton.next_power_of_2(max(1, n))), 4, length
+    block_n = min(32, max(16, triton.next_power_of_2(max(1, n))))
+    if device.type != "cuda":  # launches recorded on CPU tensors for ahead-of-time compilation
+        return 128, block_n, 4, length
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if 2 * batch * triton.cdiv(n, block_n) >= 3 * sms:
+        return 128, block_n, 4, length
+    block_n = min(64, max(16, triton.next_power_of_2(max(1, n))))
+    return 32, block_n, 2, _default_chunk(batch, n, length, 32, block_n, device)
 
 
 def _default_chunk(batch: int, n: int, length: int, block_t: int, block_n: int, device: torch.device) -> int:
     """Time-chunk length: one chunk unless batch x channel blocks leave the GPU underused."""
     programs = batch * triton.cdiv(n, block_n)
-    if INTERPRETED or device.type != "cuda":
-        return length
     target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= target:
         return length
@@ -114,7 +127,7 @@ def scan_triton(
 
     ``out``: a contiguous ``u``-shaped tensor of ``out_dtype`` to write into; it may be ``u``
     itself (every program reads a tile of ``u`` before writing the same tile of ``out``).
-    ``tiles``: ``(BLOCK_T, BLOCK_N, num_warps)`` instead of :func:`_blocks`'s (for tuning:
+    ``tiles``: ``(BLOCK_T, BLOCK_N, num_warps)`` instead of :func:`_tiles`'s (for tuning:
     ``bench/bench_scan_tiles.py``).
     """
     check_device(u)
@@ -135,9 +148,13 @@ def scan_triton(
     o3 = out.view(batch, length, n)
     sa = state_strides(a, u.shape)
     h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
-    block_t, block_n, warps = tiles if tiles is not None else (*_blocks(n), 4)
+    block_t, block_n, warps, own_chunk = _tiles(batch, n, length, u.device)
+    if tiles is not None:
+        block_t, block_n, warps = tiles
+        own_chunk = length if INTERPRETED or not u.is_cuda else _default_chunk(batch, n, length, block_t, block_n,
+                                                                                u.device)
     if chunk is None:
-        chunk = _default_chunk(batch, n, length, block_t, block_n, u.device)
+        chunk = own_chunk
     chunk = max(1, min(int(chunk), length))
     n_chunks = triton.cdiv(length, chunk)
     grid = (triton.cdiv(n, block_n), n_chunks, batch)
