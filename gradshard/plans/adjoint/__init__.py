@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
+from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
 from gradshard.passes.roll_loops import roll_loops
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.adjoint.rewrite import rewrite_adjoint
@@ -22,6 +23,9 @@ PASSES = (
     # 0. before any analysis: attention layers of a hybrid keep plain autograd, so a traced
     #    (T, T) mask that eager would not build is folded back into is_causal first.
     simplify_attention_masks,
+    # Before the time analysis: the blocked gated delta rule (time split over blocks, a solve
+    # along the steps of a block) becomes one dense scan along time, which the analysis follows.
+    rewrite_delta_rule_blocks,
     # 1. time axis and per-node reach: everything below reads ctx.analyses["time"].
     annotate_time_locality,
     # 2. roll unrolled per-timestep loops into one scan each; must precede detection (the

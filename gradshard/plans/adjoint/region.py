@@ -112,6 +112,22 @@ def _time_dim(tl: Any, n: fx.Node, what: str) -> Optional[int]:
     return info.time_dims[0]
 
 
+def _merged_time(tl: Any, n: fx.Node, d: int) -> Optional[tuple[int, int]]:
+    """``(outer, inner)`` when dim ``d`` of ``n`` is ``(outer, T, inner)`` merged (rows ``B*T*H``), the
+    time factor known to the dims analysis, else None."""
+    nd = tl.dims.dims_of(n)
+    factors = getattr(nd, "factors", None)
+    if not factors or d >= len(factors) or not factors[d]:
+        return None
+    sizes = [int(size) for _, size in factors[d]]
+    timed = [i for i, (labels, _) in enumerate(factors[d]) if {tl.dims.canon(l) for l in labels} == {tl.time_class}]
+    shp = _val(n).shape
+    if len(timed) != 1 or sizes[timed[0]] != tl.seq_len or math.prod(sizes) != shp[d]:
+        return None
+    i = timed[0]
+    return math.prod(sizes[:i]), math.prod(sizes[i + 1:])
+
+
 class _Extractor:
     def __init__(self, gm: fx.GraphModule, tl: Any, facts: dict, site: ScanSite, live: set[fx.Node],
                  claimed: set[fx.Node]) -> None:
@@ -465,16 +481,19 @@ class _Extractor:
             f = self.facts.get(x.name, ())
             if d is None or f[d] is None or f[d].kind != "shift":
                 raise node_error(x, "a region output without a plain time axis", _INSTEAD)
+        merged: list[Optional[tuple[int, int]]] = []
         for x, d in zip(prod_out, prod_td):
-            if x is None or d is None:
-                continue
-            f = self.facts.get(x.name, ())
-            if (lh or rh) and (f[d] is None or f[d].kind != "shift"):
-                raise node_error(x, "a producer value with time merged into another dim needs a halo", _INSTEAD)
+            m = None
+            f = self.facts.get(x.name, ()) if x is not None and d is not None else ()
+            if f and (lh or rh) and (f[d] is None or f[d].kind != "shift"):
+                m = _merged_time(self.tl, x, d)
+                if m is None:
+                    raise node_error(x, "a producer value with time merged into another dim needs a halo", _INSTEAD)
+            merged.append(m)
         in_td = tuple(_time_dim(self.tl, x, "region input") if self.sliced(x) else None for x in inputs)
         if all(d is None for d in in_td):
             raise node_error(self.h, "no region input carries the time axis", _INSTEAD)
-        io = RegionIO(in_td, prod_td, out_td, final is not None, (lh, rh), T)
+        io = RegionIO(in_td, prod_td, out_td, final is not None, (lh, rh), T, tuple(merged))
         scan = ScanSpec(site.kind, self.a is not None, self.h0 is not None, td, rank)
         plan = RegionPlan(site, P_list, R, inputs, prod_out, exits, final, scan, io)
         plan.covered_nodes = sorted(self.covered, key=self.order.get)

@@ -82,6 +82,9 @@ class RegionIO:
     final_state: bool  # an extra last output: h at the last step
     halo: tuple[int, int]  # steps recomputed before / after each shard
     captured_len: int
+    #: per producer output: ``(outer, inner)`` where its time dim merges ``(outer, T, inner)``
+    #: (rows ``B*T*H`` of a per-head norm) and a halo must be trimmed from it; else None
+    producer_merged: tuple[Optional[tuple[int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,21 @@ def _state_uncanon(h: Tensor, rank: int) -> Tensor:
 
 def _narrow(x: Tensor, dim: Optional[int], start: int, length: int) -> Tensor:
     return x if dim is None else x.narrow(dim, start, length)
+
+
+def _trim(x: Tensor, dim: Optional[int], merged: Optional[tuple[int, int]], start: int, length: int) -> Tensor:
+    """Steps ``[start, start + length)`` of ``x`` along ``dim``, which holds ``(outer, T, inner)``
+    merged when ``merged = (outer, inner)``."""
+    if dim is None or merged is None:
+        return _narrow(x, dim, start, length)
+    outer, inner = merged
+    return x.unflatten(dim, (outer, -1, inner)).narrow(dim + 1, start, length).flatten(dim, dim + 2)
+
+
+def _trim_all(outs: Sequence[Any], io: RegionIO, start: int, length: int) -> list[Any]:
+    merged = io.producer_merged or (None,) * len(io.producer_time_dims)
+    return [None if o is None else _trim(o, d, m, start, length)
+            for o, d, m in zip(outs, io.producer_time_dims, merged)]
 
 
 # --------------------------------------------------------------------------- the region module
@@ -223,9 +241,7 @@ class AdjointRegion(nn.Module):
         win = [_narrow(x, d, ws, we - ws) if d is not None else x for x, d in zip(inputs, self.io.input_time_dims)]
         outs = self.graph_for("producer", we - ws)(*win)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        trimmed = [None if o is None else _narrow(o, d, s - ws, e - s)
-                   for o, d in zip(outs, self.io.producer_time_dims)]
-        return trimmed, win
+        return _trim_all(outs, self.io, s - ws, e - s), win
 
     def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
         return prod[0], prod[1], prod[2], prod[3:]
@@ -373,7 +389,7 @@ class AdjointFunction(torch.autograd.Function):
             with torch.enable_grad():
                 outs = region.graph_for("producer", we - ws)(*leaves)
                 outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-                prod = [None if o is None else _narrow(o, d, s - ws, e - s) for o, d in zip(outs, io.producer_time_dims)]
+                prod = _trim_all(outs, io, s - ws, e - s)
             a, u, h0, rs = region.split(prod)
             h_start = ckpts[k] if k > 0 else _state_canon(h0, sp.rank)
             h_start_d = None if h_start is None else h_start.detach()

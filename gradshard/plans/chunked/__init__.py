@@ -14,6 +14,7 @@ from typing import Any
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
+from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
 from gradshard.passes.roll_loops import roll_loops
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.chunked.plan import plan_chunk_program
@@ -24,6 +25,9 @@ PASSES = (
     # Before any analysis: a traced mask with always-true terms, or a causal mask written
     # out, would otherwise be hoisted as a (T, T) tensor by the planner.
     simplify_attention_masks,
+    # Before the time analysis: the blocked gated delta rule (time split over blocks, a solve
+    # along the steps of a block) becomes one dense scan along time, which the analysis follows.
+    rewrite_delta_rule_blocks,
     # The time analysis comes next: everything after reads ctx.analyses["time"].
     annotate_time_locality,
     # Per-timestep Python loops become one linear_scan each (run chunk by chunk with a carried
