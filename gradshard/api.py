@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from .capture import FRONTENDS, Captured, capture, capture_graph_module, guard_key, state_key
 from .errors import GradshardError
@@ -166,20 +167,53 @@ class CompiledModule(nn.Module):
         if entry is not None:
             self._cache.move_to_end(key)
         else:
-            for serve in self._specializers:
-                entry = serve(self, args, kwargs)
-                if entry is not None:
-                    # a served entry carries a new graph: schedule it, so `program` and
-                    # `explain()` describe what runs, not the program it was derived from
-                    entry = dataclasses.replace(entry, program=build_program(entry.gm))
-                    self._remember(key, entry)
-                    break
-            else:
+            entry = self._serve(key, args, kwargs)
+            if entry is None and self._compile_probe(args, kwargs):
+                entry = self._serve(key, args, kwargs)
+            if entry is None:
                 entry = self.specialize(args, kwargs)
         if self.inductor:
             entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
         return entry
+
+    def _serve(self, key: tuple, args: tuple, kwargs: dict) -> CompiledGraph | None:
+        """An entry for these inputs from a registered specialiser (cached), or None."""
+        for serve in self._specializers:
+            entry = serve(self, args, kwargs)
+            if entry is not None:
+                # a served entry carries a new graph: schedule it, so `program` and
+                # `explain()` describe what runs, not the program it was derived from
+                entry = dataclasses.replace(entry, program=build_program(entry.gm))
+                self._remember(key, entry)
+                return entry
+        return None
+
+    def _compile_probe(self, args: tuple, kwargs: dict) -> bool:
+        """On the first call of a plan with a ``probe_length`` (a program its specialiser serves
+        at other lengths), when every input of rank >= 2 has one length along dim 1 and it is
+        more than twice the probe: compile at the inputs cut to the probe length. The call is
+        then served from that program, so capture and passes cost the same at every T and a
+        loop-written model unrolls the probe's steps, not T. False when nothing was compiled;
+        a probe the plan refuses leaves nothing behind (the full-length capture reports it)."""
+        probe = get_plan(self.plan).probe_length
+        if probe is None or self._cache or self.time_axis is not None:
+            return False
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        lengths = {x.shape[1] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 2}
+        if len(lengths) != 1 or lengths.pop() <= 2 * probe:
+            return False
+        cut = [x.narrow(1, 0, probe) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x for x in leaves]
+        p_args, p_kwargs = pytree.tree_unflatten(cut, spec)
+        try:
+            self.specialize(p_args, p_kwargs)
+        except GradshardError as exc:
+            log.info("gradshard: the probe compile at T=%d was refused (%s); capturing at full length",
+                     probe, str(exc).splitlines()[0])
+            self._cache.clear()
+            self._specializers.clear()
+            return False
+        return True
 
     def _remember(self, key: tuple, entry: CompiledGraph) -> None:
         """Cache ``entry`` under ``key``; the least recently used entry goes beyond ``cache_size``."""

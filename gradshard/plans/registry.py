@@ -41,6 +41,9 @@ class PlanSpec:
     #: run by the compile driver before the passes, on every compile: the place for work that
     #: is not a graph rewrite (a plan's collective handshake); returns notes for ``explain()``
     prepare: Callable[[Any, Any], tuple[str, ...]] | None = None
+    #: plans whose programs a specialiser re-serves at other lengths: a first call longer than
+    #: twice this is compiled at this many steps first and served from there (``CompiledModule``)
+    probe_length: int | None = None
 
     def make_options(self, **kwargs: Any) -> Any:
         """Validate ``kwargs`` against the options dataclass with a helpful error."""
@@ -87,7 +90,8 @@ PLANS: dict[str, PlanSpec] = {}
 
 def register_plan(name: str, *, passes: Sequence[GraphPass], gradient: str, doc: str,
                   needs_time_axis: bool = True,
-                  prepare: Callable[[Any, Any], tuple[str, ...]] | None = None) -> Callable[[type], type]:
+                  prepare: Callable[[Any, Any], tuple[str, ...]] | None = None,
+                  probe_length: int | None = None) -> Callable[[type], type]:
     """Class decorator: register the decorated frozen options dataclass as plan ``name``."""
 
     def deco(options: type) -> type:
@@ -96,7 +100,7 @@ def register_plan(name: str, *, passes: Sequence[GraphPass], gradient: str, doc:
         if name in PLANS:
             raise GradshardError(f"plan {name!r} is registered twice ({PLANS[name].options.__module__} "
                                  f"and {options.__module__})")
-        PLANS[name] = PlanSpec(name, options, tuple(passes), gradient, doc, needs_time_axis, prepare)
+        PLANS[name] = PlanSpec(name, options, tuple(passes), gradient, doc, needs_time_axis, prepare, probe_length)
         return options
 
     return deco

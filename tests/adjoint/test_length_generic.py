@@ -56,6 +56,47 @@ def test_captured_at_32_runs_at_1000(cls, monkeypatch):
     assert "serving T=77" in cm.explain()
 
 
+@pytest.mark.parametrize("cls", [LoopSSMLM, SelectiveSSMLM])
+def test_a_long_first_call_compiles_at_the_probe_length(cls, monkeypatch):
+    """The first call at T=1000 captures 64 steps (and the 65-step cross-check), never 1000: a
+    per-step loop unrolls 64 steps, capture and passes cost the same at every length."""
+    from gradshard.plans.adjoint import PROBE_LENGTH
+
+    torch.manual_seed(0)
+    model = cls(SSMConfig(vocab_size=37, d_model=8, n_layers=2, d_state=3, conv_kernel=4)).double()
+    ref = copy.deepcopy(model)
+    import gradshard.api as capture_mod
+
+    captures = []
+    real_capture = capture_mod.capture
+
+    def counting(target, args, kwargs=None, **kw):
+        captures.append(args[0].shape[1])
+        return real_capture(target, args, kwargs, **kw)
+
+    monkeypatch.setattr(capture_mod, "capture", counting)
+    cm = gs.compile(model, plan="adjoint", shard_size=100)
+    ids = torch.randint(0, 37, (2, 1000), generator=torch.Generator().manual_seed(1))
+    out, grads, _ = grads_of(model, (ids,), cm)
+    assert captures == [PROBE_LENGTH, PROBE_LENGTH + 1]
+    assert cm._last.extras.get("respecialized_from") == PROBE_LENGTH
+    assert f"serving T=1000: the program compiled at T={PROBE_LENGTH}, re-specialised" in cm.explain()
+    ref_out, ref_grads, _ = grads_of(ref, (ids,))
+    assert rel_err(out[0], ref_out[0]) <= 1e-10
+    for name, r in ref_grads.items():
+        assert rel_err(grads[name], r) <= 1e-10, name
+
+
+def test_a_probe_the_plan_refuses_falls_back_to_the_full_length_capture():
+    """A model without a recurrence: the probe compile is refused, and so is the full one, with the
+    full call's error (nothing of the probe is left cached)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).double()
+    cm = gs.compile(model, plan="adjoint")
+    with pytest.raises(gs.GradshardError, match="no time axis found"):
+        cm(torch.randn(2, 300, 4, dtype=torch.float64))
+    assert cm.specializations == ()
+
+
 def test_respecialize_refuses_inconsistent_shapes():
     """A graph whose baked sizes cannot follow T fails verification instead of running wrong."""
     import torch.fx as fx

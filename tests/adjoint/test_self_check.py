@@ -17,6 +17,14 @@ from tests.adjoint.models import DiagonalSSM
 T = rewrite.CHECK_LEN + 45  # beyond the check length, odd
 
 
+@pytest.fixture(autouse=True)
+def full_length_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests exercise the self-check of a compile at the call's full length; a long first
+    call otherwise compiles at the plan's probe length and is served from there
+    (tests/adjoint/test_length_generic.py)."""
+    monkeypatch.setattr(gs.CompiledModule, "_compile_probe", lambda self, args, kwargs: False)
+
+
 def _notes(cm: gs.CompiledModule) -> list[str]:
     return [n for r in cm.passes for n in r.notes if "self-check" in n]
 

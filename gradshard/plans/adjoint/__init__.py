@@ -42,9 +42,14 @@ PASSES = (
     rewrite_adjoint,
 )
 
+#: A long first call is compiled at this many steps and served by re-specialising the program
+#: (:mod:`gradshard.plans.adjoint.generic`): capture and the passes cost the same at any T, and a
+#: per-step Python loop unrolls this many steps, not T.
+PROBE_LENGTH = 64
+
 
 @register_plan(
-    "adjoint", passes=PASSES, gradient="exact",
+    "adjoint", passes=PASSES, gradient="exact", probe_length=PROBE_LENGTH,
     doc="Adjoint sharding: per layer, store the layer input and state checkpoints; the backward "
         "runs the adjoint reverse scan and independent VJP shards over time.")
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class AdjointOptions:
 
 
 @register_plan(
-    "truncated_adjoint", passes=PASSES,
+    "truncated_adjoint", passes=PASSES, probe_length=PROBE_LENGTH,
     gradient="exact for window >= T; windowed (each loss term reaches the last `window` transitions) otherwise",
     doc="Truncated adjoint sharding: like adjoint, with the adjoint state truncated to `window` "
         "steps (computed blockwise in O(T)).")
