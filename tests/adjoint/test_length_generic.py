@@ -58,8 +58,9 @@ def test_captured_at_32_runs_at_1000(cls, monkeypatch):
 
 @pytest.mark.parametrize("cls", [LoopSSMLM, SelectiveSSMLM])
 def test_a_long_first_call_compiles_at_the_probe_length(cls, monkeypatch):
-    """The first call at T=1000 captures 64 steps (and the 65-step cross-check), never 1000: a
-    per-step loop unrolls 64 steps, capture and passes cost the same at every length."""
+    """The first call at T=1000 captures the probe length (and one step more, the cross-check),
+    never 1000: a per-step loop unrolls the probe's steps; capture and passes cost the same at
+    every length."""
     from gradshard.plans.adjoint import PROBE_LENGTH
 
     torch.manual_seed(0)

@@ -44,8 +44,9 @@ PASSES = (
 
 #: A long first call is compiled at this many steps and served by re-specialising the program
 #: (:mod:`gradshard.plans.adjoint.generic`): capture and the passes cost the same at any T, and a
-#: per-step Python loop unrolls this many steps, not T.
-PROBE_LENGTH = 64
+#: per-step Python loop unrolls this many steps, not T. A prime: a length equal to a model size
+#: (64 channels) makes the re-specialiser refuse, since it cannot tell the two integers apart.
+PROBE_LENGTH = 67
 
 
 @register_plan(
