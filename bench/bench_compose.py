@@ -6,6 +6,9 @@ length T, one training step (forward, cross-entropy outside the model, backward)
 with ``gs.measure`` after a warm-up step that captures and compiles:
 
 - ``eager``: the model as written;
+- ``ckpt``: the model as written with per-layer activation checkpointing: each block of its layer
+  list under ``torch.utils.checkpoint`` (non-reentrant), ``activation_checkpointing_enable()`` for
+  the ``transformers`` model;
 - ``compile``: ``torch.compile(model)`` (Inductor, static shapes);
 - ``compile_budget``: the same with ``torch._functorch.config.activation_memory_budget=0.1``
   (AOTAutograd's partitioner recomputes activations to fit 10% of the saved bytes);
@@ -45,6 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the shared RESULTS.md writer
 
@@ -57,7 +61,7 @@ HEADING = "## Composing with Inductor (issue 19)"
 HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
 MODELS = ("ssm", "mingru", "llama", "hf_llama")
 RECURRENT = ("ssm", "mingru")  # adjoint rows; the others get seco rows
-METHODS = ("eager", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager", "gs_seco",
+METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager", "gs_seco",
            "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
 DEFAULT_METHODS = METHODS
 
@@ -165,11 +169,46 @@ def applies(method: str, model: str) -> bool:
     return True
 
 
+class Checkpointed(nn.Module):
+    """``block`` under ``torch.utils.checkpoint``: its inputs are saved, its activations recomputed in backward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_layers(model: nn.Module) -> nn.Module:
+    """``model`` (changed in place) with per-layer activation checkpointing: a ``transformers`` model
+    through its ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before 5.x),
+    any other model by wrapping every block of its layer list (the ``nn.ModuleList`` holding the most
+    parameters) in :class:`Checkpointed`."""
+    hf = [m for m in model.modules() if hasattr(m, "gradient_checkpointing_enable")]
+    if hf:
+        if hasattr(hf[0], "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+            hf[0].activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"ckpt: {type(model).__name__} has no nn.ModuleList of layers to checkpoint; "
+                         "wrap its blocks in Checkpointed yourself")
+    layers = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    for i, block in enumerate(layers):
+        layers[i] = Checkpointed(block)
+    return model
+
+
 def runner(method: str, model: nn.Module, *, shard: int, chunk: int) -> tuple[Callable[..., Any], str]:
     """``(run, label)`` for ``method``; ``run(ids) -> logits``."""
     opts = {"adjoint": {"shard_size": shard}, "seco": {"chunk_size": chunk}, "none": {}}
     if method == "eager":
         return model, "eager"
+    if method == "ckpt":
+        return checkpoint_layers(model), "eager, per-layer checkpointing"
     if method in ("compile", "compile_budget"):
         label = "torch.compile" + (" (activation_memory_budget=0.1)" if method == "compile_budget" else "")
         return torch.compile(model, dynamic=False), label
@@ -214,7 +253,8 @@ def measure_one(model_name: str, method: str, T: int, batch: int, shard: int, ch
         m = gs.measure(step, ids, repeat=repeat)
     peak = m.allocator_peak_bytes if m.allocator_peak_bytes is not None else m.peak_bytes
     source = m.peak_source if device.type == "cuda" or m.allocator_peak_bytes is None else "cpu_allocator"
-    out = {"model": model_name, "model_desc": desc, "method": method, "label": label, "T": T, "peak": peak,
+    out = {"model": model_name, "model_desc": desc, "method": method, "label": label, "T": T, "batch": batch,
+           "device": device.type, "peak": peak,
            "peak_source": source, "seconds": m.seconds, "first_call_s": first,
            "compiled_runs": m.compiled_regions}
     return out

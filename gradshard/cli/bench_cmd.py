@@ -56,21 +56,34 @@ def _test_suite_imports(tree: ast.Module) -> list[str]:
     return sorted({m for m in names if m == "tests" or m.startswith("tests.")})
 
 
+#: Scripts run as ``gradshard bench NAME`` that are not ``bench_NAME.py``: they draw what the benches
+#: wrote (``plot``: ``bench_compose``'s rows), so they come after every bench, and ``all`` runs them last.
+AFTER_BENCHES = {"plot": "plot_steps.py"}
+
+
+def _benchmark(name: str, path: Path, has_tests: bool) -> Benchmark:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    summary = (ast.get_docstring(tree) or "").strip().splitlines()
+    uses = _test_suite_imports(tree)
+    needs = None
+    if uses and not has_tests:
+        needs = (f"imports {', '.join(uses)} from the test suite, which ships only in a source checkout: "
+                 f"run `gradshard bench {name}` in a clone of the repository")
+    return Benchmark(name, path, summary[0] if summary else "", needs)
+
+
 def find_benchmarks(folder: Path | None = None) -> dict[str, Benchmark]:
-    """Every ``bench_NAME.py`` in ``folder`` (default :func:`bench_dir`), by ``NAME``."""
+    """Every ``bench_NAME.py`` in ``folder`` (default :func:`bench_dir`), by ``NAME``, then the
+    scripts of :data:`AFTER_BENCHES` that are there."""
     folder = bench_dir() if folder is None else folder
     has_tests = (folder.parent / "tests").is_dir() and folder.name == "bench"
     found: dict[str, Benchmark] = {}
     for path in sorted(folder.glob("bench_*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        summary = (ast.get_docstring(tree) or "").strip().splitlines()
-        uses = _test_suite_imports(tree)
-        needs = None
-        if uses and not has_tests:
-            needs = (f"imports {', '.join(uses)} from the test suite, which ships only in a source checkout: "
-                     f"run `gradshard bench {path.stem.removeprefix('bench_')}` in a clone of the repository")
-        found[path.stem.removeprefix("bench_")] = Benchmark(path.stem.removeprefix("bench_"), path,
-                                                           summary[0] if summary else "", needs)
+        name = path.stem.removeprefix("bench_")
+        found[name] = _benchmark(name, path, has_tests)
+    for name, file in AFTER_BENCHES.items():
+        if (folder / file).is_file():
+            found[name] = _benchmark(name, folder / file, has_tests)
     return found
 
 
