@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="list or run the benchmark scripts shipped as gradshard.bench; tables go to "
                                       "bench/RESULTS.md in a source checkout, else ./RESULTS.md")
-    p.add_argument("name", nargs="?", default="list", help="benchmark NAME (bench_NAME.py), 'all' or 'list' (default)")
+    p.add_argument("name", nargs="?", default="list", help="benchmark NAME (bench_NAME.py, or 'plot'), 'all' or 'list' (default)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=cmd_bench)
 
