@@ -196,7 +196,7 @@ class CompiledModule(nn.Module):
         then served from that program, so capture and passes cost the same at every T and a
         loop-written model unrolls the probe's steps, not T. False when nothing was compiled;
         a probe the plan refuses leaves nothing behind (the full-length capture reports it)."""
-        probe = get_plan(self.plan).probe_length
+        probe = get_plan(self.plan).probe_length if self.plan in plans() else None  # "auto" picks a plan later
         if probe is None or self._cache or self.time_axis is not None:
             return False
         leaves, spec = pytree.tree_flatten((args, kwargs))
