@@ -91,9 +91,12 @@ def _rebuild_initial_state(gm: fx.GraphModule, chain: LoopChain, prefix: list[fx
         raise node_error(h_init, "cannot rebuild the loop's initial state outside the loop", "use h = zeros(...)")
     shape = list(h_init.meta["val"].shape)
     target = _LIKE.get(h_init.target, h_init.target)
+    # keep the factory's dtype (``zeros_like(x[:, 0], dtype=torch.float32)``)
+    kwargs = {k: v for k, v in h_init.kwargs.items() if k in ("dtype", "layout", "device", "pin_memory")}
+    kwargs.setdefault("dtype", h_init.meta["val"].dtype)
     with gm.graph.inserting_after(src):
-        new = gm.graph.call_function(target, (src, shape))
-        new.meta["val"] = fake_run(target, (src, shape))
+        new = gm.graph.call_function(target, (src, shape), kwargs)
+        new.meta["val"] = fake_run(target, (src, shape), kwargs)
         new.meta["stack_trace"] = h_init.meta.get("stack_trace")
     return new
 
@@ -124,6 +127,16 @@ def body_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[Any],
 _RUNNING_MAX = (aten.maximum.default, aten.max.other, aten.fmax.default)
 
 
+_CASTS = (aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.alias.default, aten.to.dtype_layout)
+
+
+def _under_casts(node: fx.Node) -> fx.Node:
+    """The value ``node`` casts or copies (``m_new.to(float32)`` -> ``m_new``)."""
+    while node.target in _CASTS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _refuse_several_carried(chain: LoopChain) -> None:
     """Refuse, before the step comparison, a loop that carries several values from step to step
     (read between steps 1 and 2 where there are three, so step 0's set-up cannot blur the count);
@@ -142,14 +155,14 @@ def _refuse_several_carried(chain: LoopChain) -> None:
     if len(carried) <= 1:
         return
     names = ", ".join(f"`{c.name}`" for c in carried)
-    running_max = next((c for c in carried if c.target in _RUNNING_MAX), None)
+    running_max = next((m for m in map(_under_casts, carried) if m.target in _RUNNING_MAX), None)
     if running_max is not None:
         raise node_error(running_max, f"the loop carries {len(carried)} values from step to step ({names}), one of "
                          "them a running maximum: a max-stabilised (log-sum-exp) recurrence, which gradshard does "
-                         "not yet recognise as the linear recurrence it stabilises; gradshard rolls loops that "
-                         "carry one linear state", UNROLLABLE_HINT)
-    raise node_error(carried[0], f"the loop carries {len(carried)} values from step to step ({names}); gradshard "
-                     "rolls loops that carry one linear state", UNROLLABLE_HINT)
+                         "not yet recognise as the linear recurrence it stabilises; the adjoint plans roll loops "
+                         "that carry one linear state", UNROLLABLE_HINT)
+    raise node_error(carried[0], f"the loop carries {len(carried)} values from step to step ({names}); the adjoint "
+                     "plans roll loops that carry one linear state", UNROLLABLE_HINT)
 
 
 def analyse_state(gm: fx.GraphModule, chain: LoopChain) -> LoopState:
@@ -163,8 +176,8 @@ def analyse_state(gm: fx.GraphModule, chain: LoopChain) -> LoopState:
     prev = chain.steps[0]
     carried = sorted({prev.index(a) - len(prev) for n in template for a in n.all_input_nodes if chain.step_of.get(a) == 0})
     if len(carried) != 1:
-        raise node_error(template[0], f"the loop carries {len(carried)} values from step to step; gradshard "
-                         "rolls loops that carry one linear state", NONLINEAR_HINT)
+        raise node_error(template[0], f"the loop carries {len(carried)} values from step to step; the adjoint "
+                         "plans roll loops that carry one linear state", NONLINEAR_HINT)
     k = carried[0]
     h_prev_t = prev[k]
     h_new_t = template[k]
@@ -186,10 +199,9 @@ def analyse_state(gm: fx.GraphModule, chain: LoopChain) -> LoopState:
     return LoopState(template, h_prev_t, h_new_t, h_init, upd, dep, readout)
 
 
-def find_outside_uses(chain: LoopChain, state: LoopState) -> LoopUses:
-    """Where the loop's values are used outside it; anything but a per-step stack or a use of
-    the last step is an error naming the user."""
-    template = state.template
+def find_outside_uses(chain: LoopChain, template: list[fx.Node]) -> LoopUses:
+    """Where the loop's values are used outside it (``template``: the step-1 nodes); anything but
+    a per-step stack or a use of the last step is an error naming the user."""
     T = len(chain.steps)
     stack_outs: dict[int, list[tuple[fx.Node, int, str]]] = defaultdict(list)  # local idx -> (consumer, dim, mode)
     final_uses: dict[int, list[fx.Node]] = defaultdict(list)

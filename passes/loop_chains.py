@@ -4,8 +4,10 @@ A loop ``for t in range(T)`` over a time-carrying tensor is captured as ``T`` co
 step body; each copy starts at a read of one step (``select(x, t_dim, i)`` or an ``unbind``
 item). :func:`find_loops` puts every node in the step it belongs to, groups connected
 steps into one :class:`LoopChain` per loop, and keeps only chains that carry a value from
-step to step. Whether the steps really are copies is checked later
-(:mod:`gradshard.passes.loop_steps`).
+step to step. Where a step ends is ambiguous for ops that read only the previous step's
+values (``dA * h`` evaluated before ``x[:, t]`` is read); each chain comes with a second cut
+(``alternative``) for ``roll_loops`` to try. Whether the steps really are copies is checked
+later (:mod:`gradshard.passes.loop_steps`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class LoopChain:
     steps: list[list[fx.Node]]
     step_of: dict[fx.Node, int]
     sources: dict[fx.Node, tuple[fx.Node, int]] = field(default_factory=dict)  # select node -> (seq, dim)
+    #: The same nodes cut into steps the other way (see :func:`_assign_precomputations`), or None.
+    alternative: Optional["LoopChain"] = None
 
 
 def _loop_select(node: fx.Node, tl: Any) -> Optional[tuple[fx.Node, int, int]]:
@@ -79,6 +83,49 @@ def _assign_state_ops_to_their_step(gm: fx.GraphModule, step_of: dict[fx.Node, i
             step_of[node] = s + 1
 
 
+def _assign_precomputations(gm: fx.GraphModule, natural: dict[fx.Node, int],
+                            sources: dict[fx.Node, tuple[fx.Node, int]]) -> dict[fx.Node, int]:
+    """The other cut: move into step ``s + 1`` only the ops of step ``s`` that precompute step
+    ``s + 1`` from values carried anyway.
+
+    :func:`_assign_state_ops_to_their_step` moves every op whose users all sit in the next
+    step, so a state update read only by the next step (RWKV's ``num``, ``den`` and running max,
+    computed from ``k[:, t]`` after the step's output) moves with it, and the next step then
+    reads this step's inputs. Here an op moves only when each value of its own step it reads
+    is used beyond that step anyway (``max_state + time_decay``, evaluated in the next
+    iteration from the carried max, moves; the update that reads ``k[:, t]`` stays). Candidates
+    cascade within one step only (users first); moves that break the rule are undone until
+    none does. Still checked by the step comparison.
+    """
+    cand: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        s = natural.get(node)
+        if s is None or node in sources or not node.users:
+            continue
+        if all(natural.get(u) == s + 1 or (natural.get(u) == s and u in cand) for u in node.users):
+            cand.add(node)
+
+    def invalid(p: fx.Node) -> bool:
+        s = natural[p]
+        if any(natural.get(u) == s and u not in cand for u in p.users):
+            return True  # a user stays behind in step s
+        return any(natural.get(a) == s and a not in cand and all(natural.get(u) == s for u in a.users)
+                   for a in p.all_input_nodes)  # it would carry a value of step s no one else carries
+
+    work = list(cand)
+    while work:
+        p = work.pop()
+        if p not in cand or not invalid(p):
+            continue
+        cand.discard(p)
+        work.extend(a for a in p.all_input_nodes if a in cand)
+        work.extend(u for u in p.users if u in cand)
+    step_of = dict(natural)
+    for p in cand:
+        step_of[p] = natural[p] + 1
+    return step_of
+
+
 def _absorb_initial_state_ops(steps: list[list[fx.Node]], step_of: dict[fx.Node, int], tl: Any) -> None:
     """Pull ops on the initial state into step 0 while step 0 is shorter than step 1.
 
@@ -122,6 +169,7 @@ def find_loops(gm: fx.GraphModule, tl: Any) -> list[LoopChain]:
         ins = [step_of[a] for a in node.all_input_nodes if a in step_of]
         if ins:
             step_of[node] = max(ins)
+    other = _assign_precomputations(gm, step_of, sources)
     _assign_state_ops_to_their_step(gm, step_of, sources)
     # connected components of body nodes (edges between body nodes)
     parent: dict[fx.Node, fx.Node] = {n: n for n in step_of}
@@ -144,18 +192,30 @@ def find_loops(gm: fx.GraphModule, tl: Any) -> list[LoopChain]:
             comps[find(n)].append(n)
     chains = []
     for nodes in comps.values():
-        n_steps = max(step_of[n] for n in nodes) + 1
-        if n_steps < 2:
+        chain = _chain_of(nodes, step_of, sources, tl)
+        if chain is None:
             continue
-        steps: list[list[fx.Node]] = [[] for _ in range(n_steps)]
-        for n in nodes:
-            steps[step_of[n]].append(n)
-        if any(not s for s in steps):
-            continue
-        _absorb_initial_state_ops(steps, step_of, tl)
-        # a chain carries a value from step to step; plain per-step maps are not loops over a state
-        carried = any(step_of.get(a) == step_of[n] - 1 for n in steps[1] for a in n.all_input_nodes)
-        if not carried:
-            continue
-        chains.append(LoopChain(steps, {n: t for t, ns in enumerate(steps) for n in ns}, {n: sources[n] for n in nodes if n in sources}))
+        alt = _chain_of(nodes, dict(other), sources, tl)
+        if alt is not None and alt.steps != chain.steps:
+            chain.alternative = alt
+        chains.append(chain)
     return chains
+
+
+def _chain_of(nodes: list[fx.Node], step_of: dict[fx.Node, int], sources: dict[fx.Node, tuple[fx.Node, int]],
+              tl: Any) -> Optional[LoopChain]:
+    """The chain of one component under the step assignment ``step_of`` (None: not a loop)."""
+    n_steps = max(step_of[n] for n in nodes) + 1
+    if n_steps < 2:
+        return None
+    steps: list[list[fx.Node]] = [[] for _ in range(n_steps)]
+    for n in nodes:
+        steps[step_of[n]].append(n)
+    if any(not s for s in steps):
+        return None
+    _absorb_initial_state_ops(steps, step_of, tl)
+    # a chain carries a value from step to step; plain per-step maps are not loops over a state
+    carried = any(step_of.get(a) == step_of[n] - 1 for n in steps[1] for a in n.all_input_nodes)
+    if not carried:
+        return None
+    return LoopChain(steps, {n: t for t, ns in enumerate(steps) for n in ns}, {n: sources[n] for n in nodes if n in sources})

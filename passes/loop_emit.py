@@ -22,7 +22,7 @@ from gradshard.passes.recurrence_graph import fake_run
 
 aten = torch.ops.aten
 
-__all__ = ["emit_rolled_loop"]
+__all__ = ["emit_rolled_loop", "erase_steps"]
 
 
 def emit_rolled_loop(gm: fx.GraphModule, chain: LoopChain, state: LoopState, uses: LoopUses, bodies: LoopBodies,
@@ -34,7 +34,7 @@ def emit_rolled_loop(gm: fx.GraphModule, chain: LoopChain, state: LoopState, use
     first_consumer = min(uses.consumers, key=lambda c: order[c])
     outs, h_seq, scan = _emit_scan(gm, chain, state, bodies, index, first_consumer)
     _rewire_consumers(gm.graph, chain, state, uses, bodies, outs, h_seq, first_consumer)
-    _erase_steps(gm.graph, chain, order)
+    erase_steps(gm.graph, chain, order)
     prefix = f"loop{index}"
     tail = f" -> {prefix}_readout" if bodies.readout is not None else ""
     folded = " (the stacked states are the scan's output)" if len(bodies.body_outputs) < len(bodies.outputs) else ""
@@ -136,7 +136,7 @@ def _rewire_consumers(graph: fx.Graph, chain: LoopChain, state: LoopState, uses:
                 pos += 1
 
 
-def _erase_steps(graph: fx.Graph, chain: LoopChain, order: dict[fx.Node, int]) -> None:
+def erase_steps(graph: fx.Graph, chain: LoopChain, order: dict[fx.Node, int]) -> None:
     """Erase the unrolled steps (users first) and the ``unbind`` nodes left without users."""
     for n in sorted(chain.step_of, key=lambda x: -order[x]):
         if n.users:

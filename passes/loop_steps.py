@@ -22,16 +22,23 @@ from gradshard.passes.loop_chains import LoopChain
 
 aten = torch.ops.aten
 
-__all__ = ["NONLINEAR_HINT", "Update", "check_isomorphic", "analyse_update"]
+__all__ = ["UNROLLABLE_HINT", "CARRY_HINT", "NONLINEAR_HINT", "Update", "check_isomorphic", "analyse_update"]
 
-#: Advice for a loop roll_loops cannot roll. roll_loops runs in the adjoint and the chunked
+#: Advice for a loop no plan can roll (its steps differ, or its values leave it other than
+#: stacked per step or after the last step): roll_loops runs in the adjoint and the chunked
 #: (seco/spaco) pipelines alike, so only plans that leave loops alone may be recommended.
 UNROLLABLE_HINT = ("use plan='none' (plain autograd) or plan='partial_update', and wrap the layer in "
                    "torch.utils.checkpoint to save memory: the adjoint and chunked plans (seco, spaco) "
-                   "need every per-step loop rolled into a scan first")
+                   "need every per-step loop rolled first (steps that repeat the same operations, outputs "
+                   "stacked per step)")
+#: Advice for a loop the chunked plans roll but the adjoint plans cannot (its update is not
+#: linear in one state): :func:`gradshard.passes.roll_loops.roll_loops` swaps it in for
+#: :data:`UNROLLABLE_HINT` once it has proven the loop rolls as a carried loop.
+CARRY_HINT = ("use plan='seco' or plan='spaco' (exact for any state update: they run the loop step by step "
+              "within each chunk and carry its values across chunks), or plan='none' / plan='partial_update'")
 NONLINEAR_HINT = (
-    "gradshard's adjoint and chunked plans need a state update linear in the state (h_t = a_t * h_{t-1} "
-    "+ u_t or A_t @ h_{t-1} + u_t with a_t, u_t independent of h); " + UNROLLABLE_HINT
+    "the adjoint plans need a state update linear in the state (h_t = a_t * h_{t-1} + u_t or "
+    "A_t @ h_{t-1} + u_t with a_t, u_t independent of h); " + UNROLLABLE_HINT
 )
 
 
@@ -105,12 +112,17 @@ def _precheck_nonlinear(chain: LoopChain) -> None:
                 raise _not_linear(n)
 
 
-def check_isomorphic(chain: LoopChain) -> tuple[tuple, dict[int, fx.Node], list[fx.Node]]:
+def check_isomorphic(chain: LoopChain, *, precheck: bool = True,
+                     last_aligned: bool = False) -> tuple[tuple, dict[int, fx.Node], list[fx.Node]]:
     """Signature of steps 1..T-1 (must be equal), the initial values of the carried refs and
-    the leading nodes of step 0 that only build the initial state (``zeros_like(x[:, 0])``)."""
-    _precheck_nonlinear(chain)
+    the leading nodes of step 0 that only build the initial state (``zeros_like(x[:, 0])``).
+
+    ``precheck``: first name a non-linear op on the state (the linear roll's clearer error);
+    ``last_aligned``: the last step was aligned with the template already (``loop_tail``)."""
+    if precheck:
+        _precheck_nonlinear(chain)
     ref = _step_signature(chain, 1)
-    for t in range(2, len(chain.steps)):
+    for t in range(2, len(chain.steps) - (1 if last_aligned else 0)):
         if _step_signature(chain, t) != ref:
             first = chain.steps[t][0]
             raise node_error(first, f"the unrolled loop's step {t} is not isomorphic to step 1 (the loop body "

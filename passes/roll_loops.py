@@ -19,10 +19,15 @@ stack dim), with no readout body: the scan's dims reach the readout after the lo
 The linear forms accepted for the state update (``A``, ``U`` not depending on ``h``):
 ``A * h + U`` (either operand order, ``A`` a tensor or a number), ``addcmul(U, A, h)``,
 ``h + U`` (``A = 1``), ``A @ h + U`` / ``matmul``/``bmm``/matmul-shaped ``einsum`` (dense).
-Anything else that feeds the next state (``tanh(W h + x)``) is an error naming the node,
-with plain autograd (``none``) and checkpointing suggested: this pass runs in the chunked
-plans' pipelines too, so they cannot take such a loop either. One carried state per loop; the first step must
-be isomorphic to the others (its previous state is the loop's initial state).
+One carried state per loop; the first step must be isomorphic to the others (its previous
+state is the loop's initial state); a last step cut short by dead code (an update nothing
+reads after the loop) is completed first (:mod:`.loop_tail`).
+
+Anything else that feeds the next state (``tanh(W h + x)``), or several carried values
+(RWKV's ``(num, den, running max)``), has no scan. :func:`roll_loops` (the adjoint plans)
+refuses it naming the node; where the steps do repeat, the advice names the chunked plans,
+which take it: :func:`roll_loops_carrying` (their pass) rolls such a loop into a *carried
+loop* instead (:mod:`.loop_generic`, run step by step, exact for any update).
 
 The rolled bodies hold no sequence length: the rolled program runs at any length. The pass
 is linear in the number of graph nodes (T=1000 loops roll in well under a second).
@@ -34,33 +39,73 @@ outside uses and the vectorised bodies, :mod:`.loop_emit` writes the scan into t
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.fx as fx
 
 from gradshard.analysis.locality import analyze_time_locality
+from gradshard.errors import UnsupportedGraphError
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
 from gradshard.passes.loop_bodies import analyse_state, extract_bodies, find_outside_uses
 from gradshard.passes.loop_chains import LoopChain, find_loops
 from gradshard.passes.loop_emit import emit_rolled_loop
+from gradshard.passes.loop_generic import emit_carried_loop, plan_carried_loop
+from gradshard.passes.loop_steps import CARRY_HINT, UNROLLABLE_HINT, check_isomorphic
+from gradshard.passes.loop_tail import align_last_step, complete_last_step
 
-__all__ = ["roll_loops", "find_loops", "LoopChain"]
+__all__ = ["roll_loops", "roll_loops_carrying", "find_loops", "LoopChain"]
 
 
-def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int) -> str:
-    """Roll one loop of ``gm`` in place; return the note for the pass record."""
+def _pick_cut(chain: LoopChain) -> tuple[LoopChain, Optional[list], bool]:
+    """The first cut of the loop into steps (``find_loops`` offers two) whose steps repeat the
+    same ops, a last step cut short allowed: ``(chain, aligned last step or None, found)``."""
+    for cut in (chain, chain.alternative):
+        if cut is None:
+            continue
+        aligned = align_last_step(cut)
+        try:
+            check_isomorphic(cut, precheck=False, last_aligned=aligned is not None)
+        except UnsupportedGraphError:
+            continue
+        return cut, aligned, True
+    return chain, None, False
+
+
+def _advise_chunked(exc: UnsupportedGraphError) -> UnsupportedGraphError:
+    """``exc`` with its advice naming the chunked plans (the loop rolls as a carried loop)."""
+    text = str(exc)
+    return type(exc)(text.replace(UNROLLABLE_HINT, CARRY_HINT)) if UNROLLABLE_HINT in text else exc
+
+
+def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int, carry: bool) -> str:
+    """Roll one loop of ``gm`` in place; return the note for the pass record.
+
+    ``carry``: a loop without a linear update becomes a carried loop (else: an error)."""
+    chain, aligned, repeats = _pick_cut(chain)
+    tail = ""
+    if aligned is not None:
+        added = complete_last_step(gm, chain, aligned)
+        tail = f"; its last step was completed with {added} op(s) nothing read (the update after the last output)"
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    state = analyse_state(gm, chain)
-    uses = find_outside_uses(chain, state)
-    bodies = extract_bodies(chain, state, uses, index)
-    return emit_rolled_loop(gm, chain, state, uses, bodies, index, order)
+    try:
+        state = analyse_state(gm, chain)
+        uses = find_outside_uses(chain, state.template)
+        bodies = extract_bodies(chain, state, uses, index)
+    except UnsupportedGraphError as exc:
+        if not repeats:
+            raise
+        try:
+            plan = plan_carried_loop(chain)
+        except UnsupportedGraphError as why:  # no plan rolls it: say why in this plan's terms
+            raise (why if carry else exc) from None
+        if not carry:
+            raise _advise_chunked(exc) from None
+        return emit_carried_loop(gm, chain, plan, index, order) + tail
+    return emit_rolled_loop(gm, chain, state, uses, bodies, index, order) + tail
 
 
-@graph_pass
-def roll_loops(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Roll unrolled per-timestep loops into one vectorised scan each (see module doc).
-
-    Needs ``ctx.analyses["time"]``; recomputes it on the rolled graph. Rewrites ``gm`` in place.
-    """
+def _roll_all(gm: fx.GraphModule, ctx: PassContext, carry: bool) -> PassResult:
     tl = ctx.analyses.get("time")
     if tl is None:
         return PassResult(gm, notes=("no time axis: nothing to roll",))
@@ -73,8 +118,25 @@ def roll_loops(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     new.graph.owning_module = new  # a shared graph may name another module its owner
     notes = []
     for i, chain in enumerate(chains):
-        notes.append(_roll_one(new, chain, i))
+        notes.append(_roll_one(new, chain, i, carry))
     new.graph.lint()
     ctx.invalidate("time")
     ctx.analyses["time"] = analyze_time_locality(new, time_axis=ctx.time_axis)
     return PassResult(new, changed=True, notes=tuple(notes))
+
+
+@graph_pass
+def roll_loops(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Roll unrolled per-timestep loops into one vectorised scan each (see module doc); a loop
+    without a linear update is an error naming the node.
+
+    Needs ``ctx.analyses["time"]``; recomputes it on the rolled graph. Rewrites ``gm`` in place.
+    """
+    return _roll_all(gm, ctx, carry=False)
+
+
+@graph_pass
+def roll_loops_carrying(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """:func:`roll_loops`, with a loop whose steps repeat but whose update is not linear in one
+    state rolled into a carried loop (run step by step; the chunked plans' pass)."""
+    return _roll_all(gm, ctx, carry=True)

@@ -150,19 +150,28 @@ SCAN_OPS: dict[Any, int] = {
 DATA_INDEPENDENT = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like,
                     aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like}
 # gradshard custom ops: qualified name -> (time dim of main input, reach). Each op registers
-# its entry where it is defined (gradshard/ops/), with :func:`register_time_op`.
-CUSTOM_TIME_OPS: dict[str, tuple[int, Reach]] = {}
+# its entry where it is defined (gradshard/ops/), with :func:`register_time_op`. A graph-level
+# Python function (``run_carried_loop``) is keyed by itself; its time dim is its output's.
+CUSTOM_TIME_OPS: dict[Any, tuple[int, Reach]] = {}
 
 
-def register_time_op(qualname: str, *, time_dim: int, reach: Reach) -> None:
+def register_time_op(qualname: Any, *, time_dim: int, reach: Reach) -> None:
     """Declare how custom op ``qualname`` reads time: along ``time_dim`` of its main input,
-    each output step reading the input steps ``reach`` around it."""
+    each output step reading the input steps ``reach`` around it. ``qualname`` may be a Python
+    function called by graph nodes: then ``time_dim`` is the time dim of its output."""
     CUSTOM_TIME_OPS[qualname] = (time_dim, reach)
 
 
-def _qualname(node: fx.Node) -> str | None:
+def _qualname(node: fx.Node) -> Any:
     packet = getattr(node.target, "_overloadpacket", None)
+    if packet is None:
+        target = node.target
+        return target if callable(target) and target in CUSTOM_TIME_OPS else None
     return getattr(packet, "_qualified_op_name", None)
+
+
+def _op_label(qual: Any) -> str:
+    return qual if isinstance(qual, str) else getattr(qual, "__name__", str(qual))
 
 
 # --------------------------------------------------------------------------- time class
@@ -201,6 +210,10 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
                 add(src.dims[ax], f"{node.name}: {node.target._overloadpacket.__name__} along dim {ax}")
         elif _qualname(node) in CUSTOM_TIME_OPS:
             ax, _ = CUSTOM_TIME_OPS[_qualname(node)]
+            if not isinstance(_qualname(node), str):  # a graph-level function: its output's dim
+                if nd is not None and len(nd.dims) > ax and nd.dims[ax]:
+                    add(nd.dims[ax], f"{node.name}: {_op_label(_qualname(node))}")
+                continue
             for arg in node.args[:3]:  # the first operand may broadcast over time (a of a scan)
                 src = dims.dims_of(arg) if isinstance(arg, fx.Node) else None
                 if src is not None and len(src.dims) > ax and src.dims[ax]:
@@ -456,7 +469,7 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
         return make(POINTWISE, "scan along a non-time axis")
     if qual in CUSTOM_TIME_OPS:
         rev = bool(node.kwargs.get("reverse", False)) or (len(node.args) > 3 and node.args[3] is True)
-        return make(Reach(0, INF) if rev else ALL_PAST, f"{qual}")
+        return make(Reach(0, INF) if rev else ALL_PAST, _op_label(qual))
     if tgt is aten.slice.Tensor and src_td is not None:
         dim = (node.args[1] if len(node.args) > 1 else 0) % max(len(src_shape), 1)
         if dim != src_td:

@@ -11,6 +11,6 @@ front doors in :mod:`gradshard.kernels` always find their ops under ``torch.ops.
 
 from __future__ import annotations
 
-from gradshard.ops import adjoint_shard, aten_flops, dense_scan, lightning, linear_scan, rolled_body
+from gradshard.ops import adjoint_shard, aten_flops, carried_loop, dense_scan, lightning, linear_scan, rolled_body
 
-__all__ = ["adjoint_shard", "aten_flops", "dense_scan", "lightning", "linear_scan", "rolled_body"]
+__all__ = ["adjoint_shard", "aten_flops", "carried_loop", "dense_scan", "lightning", "linear_scan", "rolled_body"]

@@ -1,5 +1,6 @@
-"""Dims rules for a buffer filled piecewise along a (chunk, d) axis, and the refusal of a loop
-that carries a running maximum beside its state (small non-HF models, float64)."""
+"""Dims rules for a buffer filled piecewise along a (chunk, d) axis, and a loop that carries a
+running maximum beside its state: exact under the chunked plans (a carried loop), refused by the
+adjoint plans naming the max (small non-HF models, float64)."""
 
 from __future__ import annotations
 
@@ -73,13 +74,36 @@ class StabilisedSum(nn.Module):
         return torch.stack(ys, 1)
 
 
-@pytest.mark.parametrize("plan, opts", [("adjoint", {"shard_size": 4}), ("seco", {"chunk_size": 4})])
-def test_loop_carrying_a_running_max_is_refused_naming_it(plan: str, opts: dict) -> None:
+def test_loop_carrying_a_running_max_is_refused_by_adjoint_naming_it() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 9, 5, dtype=torch.float64)
-    cm = gs.compile(StabilisedSum().double(), plan=plan, **opts)
+    cm = gs.compile(StabilisedSum().double(), plan="adjoint", shard_size=4)
     with pytest.raises(GradshardError, match=r"running maximum") as info:
         cm(x)
     text = str(info.value)
     assert "maximum" in text and "test_dims_piecewise_buffer.py" in text
-    assert "plan='seco'" not in text  # the advice names only plans that work here
+    assert "plan='seco'" in text  # the chunked plans take the loop (next test)
+
+
+@pytest.mark.parametrize("plan, opts", [("seco", {"chunk_size": 4}), ("spaco", {"chunk_size": 4, "budget": 100})])
+def test_loop_carrying_a_running_max_is_exact_under_the_chunked_plans(plan: str, opts: dict) -> None:
+    """Rolled into a carried loop: the chunks carry (num, den, running max) across their bounds."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+    model = StabilisedSum().double()
+    ref = StabilisedSum().double()
+    ref.load_state_dict(model.state_dict())
+    cm = gs.compile(model, plan=plan, **opts)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = cm(x), ref(x_ref)
+    w = torch.linspace(0.5, 1.5, y.numel(), dtype=y.dtype).reshape(y.shape)
+    (y * w).sum().backward()
+    (y_ref * w).sum().backward()
+    assert float((y - y_ref).detach().abs().max()) <= 1e-12
+    # the output is invariant to a shift of k, so k's bias gradient is rounding noise: compare
+    # every gradient against the largest one
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+    for p, q in [*zip(model.parameters(), ref.parameters()), (x, x_ref)]:
+        assert float((p.grad - q.grad).abs().max()) <= 1e-12 * scale
+    notes = [n for r in cm.passes if r.name == "roll_loops_carrying" for n in r.notes]
+    assert any("carrying 3 value(s)" in n for n in notes), notes

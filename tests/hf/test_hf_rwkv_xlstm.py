@@ -1,8 +1,13 @@
-"""RWKV and xLSTM (issue 16): the plans that run are exact; the chunked/adjoint plans refuse the
-max-stabilised recurrence naming its running maximum (xLSTM: with advice naming only plans that work).
+"""RWKV and xLSTM (issue 16): their per-step loops carry several values, one a running maximum
+(log-sum-exp stabilisers). The chunked plans roll such a loop into a carried loop and match
+eager; the adjoint plans refuse it naming the max, with advice naming only plans that work.
 
-Slow (each cell compiles a tiny HF model, 10-60 s on CPU); the matrix cells are also in
-``test_hf_plans.py::test_every_cell_is_exact_or_refused``.
+xLSTM runs its step recurrence (``mlstm_recurrent_sequence_native``) for sequences shorter than
+its ``chunk_size``; the zoo's ``chunk_size=16`` runs whole 16-token blocks through a Python loop
+over blocks first, which no chunked plan cuts at 8 tokens (refused, ``test_xlstm_block_loop_*``).
+Both models compute part of their float64 forward in float32 (RWKV's ``key.float()``, xLSTM's
+float32 states): 1e-5 against eager, and exact to 1e-10 with those islands computed in float64
+(:class:`~tests.hf.zoo.Float64Everywhere`, slow).
 """
 
 from __future__ import annotations
@@ -11,30 +16,65 @@ import pytest
 
 from gradshard.errors import GradshardError
 
-from .test_hf_plans import _run_cell, _tolerance
+from . import test_hf_plans
+from .test_hf_plans import _compare, _run_cell, _tolerance
+from .zoo import build
 
-REFUSED = [("xlstm", "seco"), ("xlstm", "adjoint")]
+#: xLSTM with its step recurrence over the whole test length (T = 37 < chunk_size).
+STEP_XLSTM = {"chunk_size": 64}
+OVERRIDES = {"rwkv": {}, "xlstm": STEP_XLSTM}
+CELLS = [("rwkv", "seco"), ("xlstm", "seco")]
+SLOW_CELLS = [("rwkv", "spaco"), ("xlstm", "spaco")]
+
+
+def _cell(family: str, plan: str, float64: bool = False) -> tuple[float, object]:
+    model, config = build(family, fp64_loss=False, **OVERRIDES[family])
+    return _compare(model, config, plan, float64=float64)
+
+
+@pytest.fixture
+def short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T = 21 (three chunks of 8, the last one short) instead of the matrix's 37: the chunk
+    planner's dry run of RWKV's token-shifted layers dominates the cell's time."""
+    monkeypatch.setattr(test_hf_plans, "T", 21)
+
+
+@pytest.mark.parametrize("family, plan", [*CELLS, *[pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CELLS]],
+                         ids=["-".join(c) for c in (*CELLS, *SLOW_CELLS)])
+def test_chunked_plan_matches_eager(family: str, plan: str, short: None) -> None:
+    err, cm = _cell(family, plan)
+    assert err <= _tolerance(family, "eager"), err
+    notes = [n for r in cm.passes if r.name == "roll_loops_carrying" for n in r.notes]
+    assert notes and all("carrying 3 value(s)" in n for n in notes), notes  # (num, den, max) / (C, n, m)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, plan", REFUSED, ids=["-".join(c) for c in REFUSED])
-def test_stabilised_recurrence_is_refused_naming_the_running_max(family: str, plan: str) -> None:
+@pytest.mark.parametrize("family", ["rwkv", "xlstm"])
+def test_chunked_plan_is_exact_with_float64_islands(family: str) -> None:
+    assert _cell(family, "seco", float64=True)[0] <= 1e-10
+
+
+@pytest.mark.parametrize("family, plan", [("rwkv", "adjoint"), pytest.param("xlstm", "adjoint", marks=pytest.mark.slow),
+                                          pytest.param("rwkv", "truncated_adjoint", marks=pytest.mark.slow)])
+def test_adjoint_refuses_naming_the_running_max_and_advises_the_chunked_plans(family: str, plan: str) -> None:
+    model, config = build(family, fp64_loss=False, **OVERRIDES[family])
     with pytest.raises(GradshardError, match="running maximum") as info:
-        _run_cell(family, "eager", plan)
+        _compare(model, config, plan)
     text = str(info.value)
-    assert "modeling_" in text and "runs along time" not in text
-    assert "plan='seco'" not in text
+    assert f"modeling_{family}.py" in text and "node `max" in text
+    assert "plan='seco'" in text and "plan='spaco'" in text  # both work (test above)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["seco", "adjoint"])
-def test_rwkv_wkv_loop_is_refused_naming_its_running_max(plan: str) -> None:
-    """Not yet recognised: the WKV loop's steps are cut mid-update (the readout reads the previous
-    state), so the refusal comes from the step comparison, still naming the ``maximum`` node."""
-    with pytest.raises(GradshardError, match=r"node `maximum_\d+`") as info:
-        _run_cell("rwkv", "eager", plan)
-    assert "modeling_rwkv.py" in str(info.value)
-    assert "plan='seco'" not in str(info.value)  # seco rolls loops too: the advice names only plans that work
+def test_xlstm_block_loop_is_refused_naming_its_running_max(plan: str) -> None:
+    """The zoo's xLSTM at T = 37 first runs two 16-token blocks through a loop over blocks: no
+    plan here rolls it, and the advice names only the plans that work."""
+    with pytest.raises(GradshardError, match="running maximum") as info:
+        _run_cell("xlstm", "eager", plan)
+    text = str(info.value)
+    assert "modeling_xlstm.py" in text and "runs along time" not in text
+    assert "plan='seco'" not in text and "plan='none'" in text
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
-from gradshard.passes.roll_loops import roll_loops
+from gradshard.passes.roll_loops import roll_loops_carrying
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.chunked.plan import plan_chunk_program
 from gradshard.plans.chunked.rewrite import rewrite_chunked
@@ -30,9 +30,10 @@ PASSES = (
     rewrite_delta_rule_blocks,
     # The time analysis comes next: everything after reads ctx.analyses["time"].
     annotate_time_locality,
-    # Per-timestep Python loops become one linear_scan each (run chunk by chunk with a carried
-    # state); needs the time analysis and recomputes it, so detection below sees the scans.
-    roll_loops,
+    # Per-timestep Python loops become one linear_scan each, or, without a linear update, one
+    # carried loop (both run chunk by chunk with their carried values); needs the time analysis
+    # and recomputes it, so detection below sees the scans.
+    roll_loops_carrying,
     # Vectorised scans the chunk rules cannot carry themselves (associative_scan trees) become
     # one scan op each; after rolling, before detection; recomputes the time analysis.
     canonicalize_recurrences,

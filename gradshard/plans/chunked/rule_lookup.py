@@ -2,7 +2,7 @@
 
 The table is filled by the built-in rule sets imported here: ``rules_local`` (pointwise,
 views, reductions over non-time dims, ...) and ``rules_mixing`` (ops that mix time steps:
-attention, scans, convolutions, ...) and ``rules_solve`` (triangular solves). A plugin adds rules with
+attention, scans, convolutions, ...), ``rules_solve`` (triangular solves) and ``rules_loop`` (carried loops). A plugin adds rules with
 :func:`~gradshard.plans.chunked.rules.register_chunk_rule`.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.errors import node_error
-from gradshard.plans.chunked import rules_local, rules_mixing, rules_solve  # noqa: F401  (the built-in rule sets)
+from gradshard.plans.chunked import rules_local, rules_loop, rules_mixing, rules_solve  # noqa: F401  (the built-in rule sets)
 from gradshard.plans.chunked.rules import CHUNK_RULES, BuildCtx, NodeRule, op_name, default_run, slots_of
 
 __all__ = ["build_rule"]
