@@ -102,7 +102,7 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-9, atol=1e-9)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model=st.sampled_from(sorted(MODELS)), plan=st.sampled_from(sorted(PLANS)),
        T=st.integers(5, 11), steps=st.lists(st.tuples(st.sampled_from(CHANGES), st.sampled_from(INPUTS)),
                                           min_size=1, max_size=3))

@@ -173,6 +173,7 @@ def test_plans_are_exact_over_several_blocks(plan: str) -> None:
     assert sum("chunked gated delta rule (2 blocks of 64" in n for n in _rewrite_notes(cm)) == 1
 
 
+@pytest.mark.slow  # 12 s; the float64 cells above are the default suite's exactness check
 def test_stock_float32_model_is_within_float32_of_the_float64_gradient() -> None:
     """The stock model (the layer in float32): gradshard's step recurrence in float32 lands
     within 5e-7 of the float64 gradient on every parameter, where eager's blocked float32 form
