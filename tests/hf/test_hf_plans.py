@@ -60,26 +60,33 @@ def _run_cell(family: str, attn: str, plan: str, *, float64: bool = False, **cal
 
 
 def _compare(model: torch.nn.Module, config: Any, plan: str, *, float64: bool = False,
+             options: dict[str, Any] | None = None, grad_floor: float = 0.0,
              **call: torch.Tensor) -> tuple[float, gs.CompiledModule]:
     """Max relative error of logits and parameter gradients, ``gs.compile(model, plan)`` vs a
     copy of ``model`` run eagerly, and the compiled module.
 
     ``float64=True`` runs both (capture included) under :class:`Float64Everywhere`: the
-    model's own float32 islands compute in float64 too."""
+    model's own float32 islands compute in float64 too. ``options`` replaces the plan's
+    options in ``OPTIONS``; ``call`` (e.g. ``input_ids``) replaces or adds call arguments.
+    A parameter's gradient error is relative to its largest eager entry, or to ``grad_floor``
+    times the largest eager gradient entry of the model if that is more: a gradient that is
+    zero in exact arithmetic (a top-1 MoE router's, whose renormalised weight is always 1) is
+    rounding noise in both runs, and 0 (the default) would compare noise with noise."""
     ref = copy.deepcopy(model)
     batch = {"input_ids": inputs(config, batch=2, T=T)["input_ids"], **call}
-    cm = gs.compile(model, plan=plan, **OPTIONS[plan])
+    cm = gs.compile(model, plan=plan, **(OPTIONS[plan] if options is None else options))
     with Float64Everywhere() if float64 else contextlib.nullcontext():
         got = cm(**batch).logits
         want = ref(**batch).logits
         (got * _weights(got)).sum().backward()
         (want * _weights(want)).sum().backward()
     errs = [float((got - want).detach().abs().max() / want.detach().abs().max())]
+    floor = grad_floor * max((float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None), default=0.0)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         if p.grad is None:
             assert q.grad is None or not q.grad.any(), name
             continue
-        errs.append(float((q.grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)))
+        errs.append(float((q.grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(max(floor, 1e-300))))
     return max(errs), cm
 
 

@@ -525,6 +525,7 @@ def detect_sliceable_linears(gm: fx.GraphModule, ctx: PassContext) -> PassResult
     notes: list[str] = []
     claimed: set[fx.Node] = set()
     why_not: dict[fx.Node, str] = {}  # fused projections left unsliced, and why
+    skipped: list[tuple[fx.Node, str]] = []  # MLP / attention matches that cannot be cut, and why
 
     def add(lin: _Linear, role: str, layout: SliceLayout, group: str) -> None:
         regions.append(_region(len(regions), lin, role, layout, group))
@@ -542,6 +543,7 @@ def detect_sliceable_linears(gm: fx.GraphModule, ctx: PassContext) -> PassResult
             width = down.in_features
             if width < n_slices:
                 notes.append(f"MLP at {down.weight}: hidden width {width} < num_slices {n_slices}; left unsliced")
+                skipped.append((down.node, f"the MLP at {down.weight} has hidden width {width} < num_slices {n_slices}"))
                 continue
             unit_owner = _owners(even_bounds(width, n_slices), width)
             group = f"mlp:{down.node.name}"
@@ -585,6 +587,7 @@ def detect_sliceable_linears(gm: fx.GraphModule, ctx: PassContext) -> PassResult
                 attention_layouts(n_heads, n_kv, head_dim, n_slices, index)
             except PartialUpdateError as exc:
                 notes.append(f"attention projections {label}: {exc}; left unsliced")
+                skipped.append((members[0][0].node, f"attention projections {label}: {exc}"))
                 continue
             kv_owner = _owners(even_bounds(n_kv, n_slices), n_kv)
             rep = n_heads // n_kv
@@ -606,13 +609,15 @@ def detect_sliceable_linears(gm: fx.GraphModule, ctx: PassContext) -> PassResult
         if node not in claimed:
             notes.append(f"fused projection {linears[node].weight}: left unsliced: {why}")
     if not regions:
-        _refuse(linears, why_not, targets)
+        _refuse(linears, why_not, skipped, targets, n_slices)
     notes.insert(0, f"slice {index} of {n_slices} trains; targets {targets}")
     return PassResult(gm, regions=tuple(regions), notes=tuple(notes))
 
 
-def _refuse(linears: dict[fx.Node, _Linear], why_not: dict[fx.Node, str], targets: tuple[str, ...]) -> None:
-    """Nothing to slice: a clear error, naming a fused projection that was not sliced if any."""
+def _refuse(linears: dict[fx.Node, _Linear], why_not: dict[fx.Node, str], skipped: list[tuple[fx.Node, str]],
+            targets: tuple[str, ...], n_slices: int) -> None:
+    """Nothing to slice: a clear error, naming a projection that matched but cannot be cut into
+    ``n_slices`` slices if any, else a fused projection that was not sliced if any."""
     why = (
         f"plan 'partial_update' found no projection to slice for targets {targets}: it slices MLP "
         f"in/out projections (projections joined by feature-wise ops) and attention q/k/v "
@@ -620,6 +625,14 @@ def _refuse(linears: dict[fx.Node, _Linear], why_not: dict[fx.Node, str], target
         f"whose weights are parameters used only by those projections"
     )
     instead = "use plan='none' for full training, or check that the model calls F.linear / nn.Linear"
+    if skipped:
+        raise node_error(
+            skipped[0][0],
+            f"{why}. {len(skipped)} MLP / attention projection group(s) matched, but none can be cut into "
+            f"num_slices={n_slices} slices: " + "; ".join(r for _, r in skipped),
+            f"use a num_slices that divides the (KV) heads and is at most the MLP hidden width, or plan='none' "
+            f"for full training",
+        )
     if why_not:
         node, reason = next(iter(why_not.items()))
         raise node_error(
