@@ -304,7 +304,7 @@ _SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True
 
 #: Examples per family: the default suite's (the first is the simplest case hypothesis can draw,
 #: plan "none" at T=9; the second a random one) and ``-m slow``'s.
-EXAMPLES, SLOW_EXAMPLES = 2, 20
+EXAMPLES, SLOW_EXAMPLES = 1, 20
 
 
 @pytest.mark.parametrize("family", FAMILIES)
