@@ -48,7 +48,7 @@ from gradshard.fake import fake_run
 from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
 
 from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
-from gradshard.passes.recurrence_lightning import _constant_value, _f64, _grad_free_constant, _tolerance
+from gradshard.passes.region_proof import constant_value, grad_free_constant, is_data, proof_tolerance, region_subgraph, to_f64
 
 aten = torch.ops.aten
 
@@ -184,7 +184,7 @@ def _region_of(exit_: fx.Node, dim: int, padded: int, length: int, live: set[fx.
     dims: dict[fx.Node, int] = {}
     for n in (n for n in exit_.graph.nodes if n in above):  # graph order: deterministic
         d = _padded_dim(n, length, padded)
-        if d is None or _grad_free_constant(n.args[0], values):
+        if d is None or grad_free_constant(n.args[0], values):
             continue
         pads.setdefault(n.args[0], []).append(n)
         dims[n.args[0]] = d
@@ -210,7 +210,7 @@ def _region_of(exit_: fx.Node, dim: int, padded: int, length: int, live: set[fx.
         for a in n.all_input_nodes:
             if a in nodes or (n in entries and a is n.args[0]) or a in consts:
                 continue
-            if not _grad_free_constant(a, values):
+            if not grad_free_constant(a, values):
                 return None
             consts.append(a)
     sources.sort(key=order.__getitem__)
@@ -218,19 +218,6 @@ def _region_of(exit_: fx.Node, dim: int, padded: int, length: int, live: set[fx.
 
 
 # --------------------------------------------------------------------------- proof
-
-
-def _subgraph(gm: fx.GraphModule, region: _Region, exit_: fx.Node) -> fx.GraphModule:
-    """The region as a callable of ``(*sources, *consts)``."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i, n in enumerate((*region.sources, *region.consts)):
-        env[n] = g.placeholder(f"in{i}")
-    for n in gm.graph.nodes:
-        if n in region.nodes:
-            env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[exit_])
-    return fx.GraphModule(gm, g)
 
 
 def _assignments(region: _Region, out_shape: tuple[int, ...]) -> list[dict[str, int]]:
@@ -279,10 +266,10 @@ def _prove(gm: fx.GraphModule, region: _Region, exit_: fx.Node, known: dict[str,
     if sum(math.prod(shape_of(n) or (0,)) for n in region.nodes) > _MAX_EVAL_ELEMENTS:
         return None
     memo: dict[fx.Node, Any] = {}
-    consts = [_constant_value(c, known, memo) for c in region.consts]
+    consts = [constant_value(c, known, memo) for c in region.consts]
     if any(c is None for c in consts):
         return None
-    tol = _tolerance(consts)
+    tol = proof_tolerance(consts)
     if tol is None:
         return None
     gen = torch.Generator().manual_seed(20261216)
@@ -294,7 +281,8 @@ def _prove(gm: fx.GraphModule, region: _Region, exit_: fx.Node, known: dict[str,
             src[small[0]], src[small[1]] = src[small[1]], src[small[0]]
         try:
             with torch.no_grad():  # in float64: the proof does not depend on the model's dtype
-                got = _subgraph(gm, region, exit_)(*src, *[_f64(c) for c in consts])
+                run = region_subgraph(gm, (*region.sources, *region.consts), region.nodes, exit_)
+                got = run(*src, *[to_f64(c) for c in consts])
         except Exception:  # noqa: BLE001 - a region that does not run on its own is not claimed
             return None
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != out_shape or not torch.isfinite(got).all():
@@ -315,17 +303,13 @@ def _prove(gm: fx.GraphModule, region: _Region, exit_: fx.Node, known: dict[str,
     return None
 
 
-def _is_data(ph: fx.Node) -> bool:
-    return str(ph.meta.get("gs_input_name", "input")).startswith("input")
-
-
 def match_delta_rule_blocks(gm: fx.GraphModule, values: dict[str, Any]) -> list[DeltaRuleRegion]:
     """Every proven blocked gated-delta-rule region of ``gm`` (see the module doc).
 
     ``values``: placeholder name -> example value (parameters and buffers are read from it).
     """
     live = live_nodes(gm)
-    data = {p.name for p in gm.graph.find_nodes(op="placeholder") if _is_data(p)}
+    data = {p.name for p in gm.graph.find_nodes(op="placeholder") if is_data(p)}
     known = {n: v for n, v in values.items()
              if isinstance(v, torch.Tensor) and not v.requires_grad and n not in data}
     found: list[DeltaRuleRegion] = []

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,6 +43,8 @@ from gradshard.pipeline import ancestors
 
 from gradshard.passes.linear_attention_spec import TensorLayout, layout_for
 from gradshard.passes.recurrence_graph import emit_node, live_nodes
+from gradshard.passes.region_proof import (
+    MAX_EVAL_ELEMENTS, constant_value, grad_free_constant, is_data, proof_tolerance, region_subgraph, to_f64)
 
 aten = torch.ops.aten
 
@@ -51,9 +52,6 @@ __all__ = ["BlockedAttention", "DecayRead", "match_blocked_attention", "rewrite_
 
 _MAX_CANDIDATES = 24
 _CANDIDATE_DEPTH = 8
-_MAX_EVAL_ELEMENTS = 1 << 24
-#: Deterministic ops whose value depends only on their inputs' shapes and dtypes.
-_SHAPE_ONLY = {aten.new_zeros, aten.new_ones, aten.new_full, aten.zeros_like, aten.ones_like, aten.full_like}
 
 
 @dataclass(frozen=True)
@@ -146,11 +144,6 @@ def _cat_blocks(node: fx.Node) -> Optional[tuple[int, tuple[tuple[int, int], ...
     return dim, tuple(bounds)
 
 
-def _is_data(ph: fx.Node) -> bool:
-    """A placeholder that is a call input (not a parameter or buffer)."""
-    return str(ph.meta.get("gs_input_name", "input")).startswith("input")
-
-
 @dataclass(frozen=True)
 class _Region:
     sources: tuple[fx.Node, ...]
@@ -180,7 +173,7 @@ def _region_of(cat: fx.Node, live: set[fx.Node], values: dict[str, Any]) -> Opti
         entries.setdefault(src, []).append(n)
     # a constant cut into the same blocks (a decay table expanded over time) is a constant input
     sources = [s for s in entries if {_block_slice(e)[2:] for e in entries[s]} == set(bounds)
-               and not _grad_free_constant(s, values)]
+               and not grad_free_constant(s, values)]
     below = {s: _downstream(entries[s], above) for s in sources}
     # an earlier layer cut into the same blocks feeds this layer's sources: not part of this region
     sources = [s for s in sources if not any(o in below[s] for o in sources if o is not s)]
@@ -201,7 +194,7 @@ def _region_of(cat: fx.Node, live: set[fx.Node], values: dict[str, Any]) -> Opti
         for a in n.all_input_nodes:
             if a in nodes or (n in entry_set and a is n.args[0]) or a in consts:
                 continue
-            if not _grad_free_constant(a, values):
+            if not grad_free_constant(a, values):
                 return None
             consts.append(a)
     return _Region(tuple(sources), tuple(dims[s] for s in sources), frozenset(nodes), tuple(consts))
@@ -220,79 +213,7 @@ def _downstream(starts: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _shape_only(node: fx.Node) -> bool:
-    """A deterministic op that reads only its inputs' metadata (``new_zeros(q, ...)``)."""
-    return node.op == "call_function" and getattr(node.target, "_overloadpacket", None) in _SHAPE_ONLY
-
-
-def _constant_ancestors(node: fx.Node) -> list[fx.Node]:
-    """``node`` and what its value depends on (not the inputs of shape-only ops), in graph order."""
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if not _shape_only(n):
-            stack.extend(n.all_input_nodes)
-    index = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(seen, key=index.__getitem__)
-
-
-def _grad_free_constant(node: fx.Node, values: dict[str, Any]) -> bool:
-    """``node``'s value depends on no call input and on no parameter that requires grad."""
-    for a in _constant_ancestors(node):
-        if a.op == "placeholder":
-            val = values.get(a.name)
-            if _is_data(a) or not isinstance(val, torch.Tensor) or val.requires_grad:
-                return False
-        elif a.op not in ("call_function", "get_attr"):
-            return False
-    return True
-
-
-def _constant_value(node: fx.Node, known: dict[str, torch.Tensor],
-                    memo: dict[fx.Node, Any]) -> Optional[torch.Tensor]:
-    """The value of a grad-free constant node from the example parameters and buffers (None if
-    it cannot be computed); shape-only ops run on zeros of their inputs' shapes."""
-    gm = node.graph.owning_module
-    try:
-        for n in _constant_ancestors(node):
-            if n in memo:
-                continue
-            if n.op == "placeholder":
-                memo[n] = known[n.name].detach()
-            elif n.op == "get_attr":
-                memo[n] = operator.attrgetter(n.target)(gm)
-            else:
-                val = n.meta.get("val")
-                if isinstance(val, torch.Tensor) and val.numel() > _MAX_EVAL_ELEMENTS:
-                    return None
-                read = (lambda a: torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype)) \
-                    if _shape_only(n) else memo.__getitem__
-                with torch.no_grad():
-                    memo[n] = n.target(*fx.node.map_arg(n.args, read), **fx.node.map_arg(n.kwargs, read))
-    except Exception:  # noqa: BLE001 - a value we cannot compute is no constant
-        return None
-    out = memo.get(node)
-    return out if isinstance(out, torch.Tensor) else None
-
-
 # --------------------------------------------------------------------------- proof
-
-
-def _subgraph(gm: fx.GraphModule, region: _Region, cat: fx.Node) -> fx.GraphModule:
-    """The region as a callable of ``(*sources, *consts)``."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i, n in enumerate((*region.sources, *region.consts)):
-        env[n] = g.placeholder(f"in{i}")
-    for n in gm.graph.nodes:
-        if n in region.nodes:
-            env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[cat])
-    return fx.GraphModule(gm, g)
 
 
 def _decay_candidates(region: _Region, const_values: dict[fx.Node, torch.Tensor],
@@ -311,7 +232,7 @@ def _decay_candidates(region: _Region, const_values: dict[fx.Node, torch.Tensor]
             nxt.extend(n.all_input_nodes)
             val = const_values.get(n)
             if val is None:
-                val = _constant_value(n, known, memo)
+                val = constant_value(n, known, memo)
             if not isinstance(val, torch.Tensor) or not val.is_floating_point():
                 continue
             reads = []
@@ -342,34 +263,6 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: Optional[
     return o
 
 
-def _f64(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float64) if x.is_floating_point() else x
-
-
-def _tolerance(consts: Any) -> Optional[float]:
-    """Relative tolerance of the proof: the precision of the region's constants.
-
-    Decay tables computed in float32 and stored in a float64 model (transformers builds
-    buffers before casting) differ from exact powers of ``λ`` by float32 rounding: the
-    proof then accepts ``100 eps(float32)``; float64 constants get 1e-9. None (no proof)
-    when constants only hold half precision, too coarse to tell decays apart.
-    """
-    eps = torch.finfo(torch.float64).eps
-    for c in consts:
-        if not c.is_floating_point() or c.numel() == 0:
-            continue
-        x = c.detach().to(torch.float64)
-        if bool((x == x.round()).all()):
-            continue  # integers (zeros, ones, 0/1 masks) are exact in any precision
-        for low in (torch.float16, torch.bfloat16, torch.float32):
-            if torch.finfo(low).eps > eps and torch.equal(x.to(low).to(torch.float64), x):
-                eps = torch.finfo(low).eps
-                break
-    if eps > torch.finfo(torch.float32).eps:
-        return None
-    return 1e-9 if eps == torch.finfo(torch.float64).eps else 100 * eps
-
-
 def _canonical_shape(shape: tuple[int, ...], layout: TensorLayout) -> tuple[int, ...]:
     s = tuple(shape[p] for p in layout.perm)
     return (s[0], 1, *s[1:]) if layout.rank == 3 else s
@@ -386,15 +279,15 @@ def _prove(gm: fx.GraphModule, region: _Region, cat: fx.Node,
     const_values: dict[fx.Node, torch.Tensor] = {}
     memo: dict[fx.Node, Any] = {}
     for c in region.consts:
-        val = _constant_value(c, known, memo)
+        val = constant_value(c, known, memo)
         if val is None:
             return None
         const_values[c] = val
     if not all(s.meta["val"].is_floating_point() for s in region.sources):
         return None
-    if sum(math.prod(shape_of(n) or (0,)) for n in region.nodes) > _MAX_EVAL_ELEMENTS:
+    if sum(math.prod(shape_of(n) or (0,)) for n in region.nodes) > MAX_EVAL_ELEMENTS:
         return None
-    tol = _tolerance(const_values.values())
+    tol = proof_tolerance(const_values.values())
     if tol is None:
         return None
     gen = torch.Generator().manual_seed(20260216)
@@ -402,7 +295,8 @@ def _prove(gm: fx.GraphModule, region: _Region, cat: fx.Node,
                 for s in region.sources]
     try:
         with torch.no_grad():  # in float64: the proof does not depend on the model's dtype
-            got = _subgraph(gm, region, cat)(*src_vals, *[_f64(const_values[c]) for c in region.consts])
+            run = region_subgraph(gm, (*region.sources, *region.consts), region.nodes, cat)
+            got = run(*src_vals, *[to_f64(const_values[c]) for c in region.consts])
     except Exception:  # noqa: BLE001 - a region that does not run on its own is not claimed
         return None
     if not isinstance(got, torch.Tensor) or got.shape != torch.Size(out_shape) or not torch.isfinite(got).all():
@@ -437,7 +331,7 @@ def match_blocked_attention(gm: fx.GraphModule, values: dict[str, Any]) -> list[
     """
     live = live_nodes(gm)
     known = {n: v for n, v in values.items() if isinstance(v, torch.Tensor) and not v.requires_grad}
-    data = {p.name for p in gm.graph.find_nodes(op="placeholder") if _is_data(p)}
+    data = {p.name for p in gm.graph.find_nodes(op="placeholder") if is_data(p)}
     known = {n: v for n, v in known.items() if n not in data}
     cut: dict[tuple[int, int, int], set[fx.Node]] = {}  # (length, start, stop) -> tensors sliced so
     for n in gm.graph.nodes:

@@ -16,7 +16,8 @@ from torch import nn
 import gradshard as gs
 from gradshard.capture import capture
 from gradshard.errors import GradshardError
-from gradshard.passes.recurrence_lightning import _tolerance, match_blocked_attention
+from gradshard.passes.recurrence_lightning import match_blocked_attention
+from gradshard.passes.region_proof import proof_tolerance as _tolerance
 
 from .helpers import assert_same_grads
 
