@@ -21,7 +21,7 @@ from .errors import GradshardError
 from .ir import PassRecord, Region
 
 __all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed",
-           "copy_graph", "ancestors"]
+           "copy_graph", "ancestors", "descendants"]
 
 
 class PassFailed(GradshardError):
@@ -112,6 +112,20 @@ def ancestors(roots: Iterable[Any], within: Callable[[fx.Node], bool] | None = N
             continue
         seen.add(n)
         stack.extend(n.all_input_nodes)
+    return seen
+
+
+def descendants(roots: Iterable[Any], within: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
+    """The nodes among ``roots`` and every node that reads them, transitively (``within`` as in
+    :func:`ancestors`)."""
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen or (within is not None and not within(n)):
+            continue
+        seen.add(n)
+        stack.extend(n.users)
     return seen
 
 

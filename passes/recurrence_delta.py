@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from gradshard.analysis.dims import shape_of
 from gradshard.fake import fake_run
-from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
+from gradshard.pipeline import PassContext, PassResult, ancestors, descendants, graph_pass
 
 from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
 from gradshard.passes.region_proof import constant_value, grad_free_constant, is_data, proof_tolerance, region_subgraph, to_f64
@@ -164,18 +164,6 @@ def _padded_dim(pad: fx.Node, length: int, padded: int) -> Optional[int]:
     return dim
 
 
-def _downstream(starts: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(starts)
-    while stack:
-        n = stack.pop()
-        if n in seen or n not in within:
-            continue
-        seen.add(n)
-        stack.extend(u for u in n.users if u in within)
-    return seen
-
-
 def _region_of(exit_: fx.Node, dim: int, padded: int, length: int, live: set[fx.Node],
                values: dict[str, Any]) -> Optional[_Region]:
     """The nodes between the sources' pads and ``exit_`` (see the module doc)."""
@@ -188,7 +176,7 @@ def _region_of(exit_: fx.Node, dim: int, padded: int, length: int, live: set[fx.
             continue
         pads.setdefault(n.args[0], []).append(n)
         dims[n.args[0]] = d
-    below = {s: _downstream(p, above) for s, p in pads.items()}
+    below = {s: descendants(p, above.__contains__) for s, p in pads.items()}
     # an earlier layer's sources, padded the same way, feed this layer's: not part of this region
     sources = [s for s in pads if not any(o in below[s] for o in pads if o is not s)]
     if len(sources) != len(_ROLES) or len({dims[s] for s in sources}) != 1:

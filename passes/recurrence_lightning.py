@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.analysis.dims import shape_of
-from gradshard.pipeline import ancestors
+from gradshard.pipeline import ancestors, descendants
 
 from gradshard.passes.linear_attention_spec import TensorLayout, layout_for
 from gradshard.passes.recurrence_graph import emit_node, live_nodes
@@ -174,7 +174,7 @@ def _region_of(cat: fx.Node, live: set[fx.Node], values: dict[str, Any]) -> Opti
     # a constant cut into the same blocks (a decay table expanded over time) is a constant input
     sources = [s for s in entries if {_block_slice(e)[2:] for e in entries[s]} == set(bounds)
                and not grad_free_constant(s, values)]
-    below = {s: _downstream(entries[s], above) for s in sources}
+    below = {s: descendants(entries[s], above.__contains__) for s in sources}
     # an earlier layer cut into the same blocks feeds this layer's sources: not part of this region
     sources = [s for s in sources if not any(o in below[s] for o in sources if o is not s)]
     if len(sources) != 3:
@@ -198,19 +198,6 @@ def _region_of(cat: fx.Node, live: set[fx.Node], values: dict[str, Any]) -> Opti
                 return None
             consts.append(a)
     return _Region(tuple(sources), tuple(dims[s] for s in sources), frozenset(nodes), tuple(consts))
-
-
-def _downstream(starts: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
-    """``starts`` and every node of ``within`` that reads them, transitively."""
-    seen: set[fx.Node] = set()
-    stack = list(starts)
-    while stack:
-        n = stack.pop()
-        if n in seen or n not in within:
-            continue
-        seen.add(n)
-        stack.extend(u for u in n.users if u in within)
-    return seen
 
 
 # --------------------------------------------------------------------------- proof

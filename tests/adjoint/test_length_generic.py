@@ -19,6 +19,21 @@ from gradshard.plans.adjoint.respecialize import RespecializeError, respecialize
 from .helpers import grads_of, rel_err
 
 
+def _count_captures(monkeypatch) -> list[int]:
+    """The sequence lengths the compiled module captures at from now on (appended as they happen)."""
+    import gradshard.api as capture_mod  # the capture the compiled module calls
+
+    captures: list[int] = []
+    real_capture = capture_mod.capture
+
+    def counting(target, args, kwargs=None, **kw):
+        captures.append(args[0].shape[1])
+        return real_capture(target, args, kwargs, **kw)
+
+    monkeypatch.setattr(capture_mod, "capture", counting)
+    return captures
+
+
 @pytest.mark.parametrize("cls", [pytest.param(LoopSSMLM, marks=pytest.mark.slow), SelectiveSSMLM])
 def test_captured_at_32_runs_at_1000(cls, monkeypatch):
     torch.manual_seed(0)
@@ -27,16 +42,7 @@ def test_captured_at_32_runs_at_1000(cls, monkeypatch):
     ref = copy.deepcopy(model)
     cm = gs.compile(model, plan="adjoint", shard_size=100)
     cm(torch.randint(0, 37, (2, 32)))
-    captures = []
-    import gradshard.api as capture_mod  # the capture the compiled module calls
-
-    real_capture = capture_mod.capture
-
-    def counting(target, args, kwargs=None, **kw):
-        captures.append(args[0].shape[1])
-        return real_capture(target, args, kwargs, **kw)
-
-    monkeypatch.setattr(capture_mod, "capture", counting)
+    captures = _count_captures(monkeypatch)
     ids = torch.randint(0, 37, (2, 1000), generator=torch.Generator().manual_seed(1))
     out, grads, _ = grads_of(model, (ids,), cm)
     assert cm._last.extras.get("respecialized_from") == 32
@@ -66,16 +72,7 @@ def test_a_long_first_call_compiles_at_the_probe_length(cls, monkeypatch):
     torch.manual_seed(0)
     model = cls(SSMConfig(vocab_size=37, d_model=8, n_layers=2, d_state=3, conv_kernel=4)).double()
     ref = copy.deepcopy(model)
-    import gradshard.api as capture_mod
-
-    captures = []
-    real_capture = capture_mod.capture
-
-    def counting(target, args, kwargs=None, **kw):
-        captures.append(args[0].shape[1])
-        return real_capture(target, args, kwargs, **kw)
-
-    monkeypatch.setattr(capture_mod, "capture", counting)
+    captures = _count_captures(monkeypatch)
     cm = gs.compile(model, plan="adjoint", shard_size=100)
     ids = torch.randint(0, 37, (2, 1000), generator=torch.Generator().manual_seed(1))
     out, grads, _ = grads_of(model, (ids,), cm)
