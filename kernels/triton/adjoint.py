@@ -91,6 +91,14 @@ def _adjoint_shard_kernel(
     tl.store(GH0 + pid_b * N + n, a1 * lam, mask=nmask)
 
 
+def _adjoint_tiles(batch: int, n: int, device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_N, num_warps, num_stages)``: one program walks a whole shard for its
+    channels, so parallelism is ``batch x channel blocks`` only; tiny tiles under the interpreter."""
+    if INTERPRETED:  # the interpreter scans element by element: keep tiles tiny
+        return 8, min(16, triton.next_power_of_2(n)), 4, 3
+    return 32, min(64, max(16, triton.next_power_of_2(n))), 4, 3
+
+
 @serialized_launch
 def adjoint_shard_triton(
     a: torch.Tensor,
@@ -99,8 +107,12 @@ def adjoint_shard_triton(
     h0: Optional[torch.Tensor],
     lam_carry: Optional[torch.Tensor],
     out_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+    tiles: Optional[tuple[int, int, int, int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`gradshard.kernels.adjoint.adjoint_shard_torch`."""
+    """Same contract as :func:`gradshard.kernels.adjoint.adjoint_shard_torch`.
+
+    ``tiles``: ``(BLOCK_T, BLOCK_N, num_warps, num_stages)`` instead of :func:`_adjoint_tiles`'s
+    (for tuning: ``bench/bench_scan_tiles.py --kernel adjoint``)."""
     check_device(u)
     da_t, du_t, dh_t = out_dtypes
     acc = accumulation_dtype(torch.promote_types(torch.promote_types(a.dtype, u.dtype), g.dtype))
@@ -119,10 +131,7 @@ def adjoint_shard_triton(
     sa = state_strides(a, u.shape)
     h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
     lc_2 = None if lam_carry is None else lam_carry.reshape(batch, n).contiguous()
-    if INTERPRETED:  # the interpreter scans element by element: keep tiles tiny
-        block_t, block_n = 8, min(16, triton.next_power_of_2(n))
-    else:
-        block_t, block_n = 32, min(64, max(16, triton.next_power_of_2(n)))
+    block_t, block_n, warps, stages = tiles if tiles is not None else _adjoint_tiles(batch, n, u.device)
     n_tiles = triton.cdiv(length, block_t)
     ckpt = torch.empty((batch, n_tiles, n), dtype=acc, device=u.device)
     gh = grad_h0.view(batch, n) if dh_t == acc else torch.empty((batch, n), dtype=acc, device=u.device)
@@ -132,6 +141,7 @@ def adjoint_shard_triton(
         grad_a, grad_u, gh, ckpt, length, n, sa.inner,
         sa.batch, sa.time, sa.outer_stride, sa.inner_stride, u3.stride(0), u3.stride(1), ckpt.stride(0),
         HAS_H0=h0_2 is not None, HAS_LC=lc_2 is not None, BLOCK_T=block_t, BLOCK_N=block_n, ACC=tl_dtype(acc),
+        num_warps=warps, num_stages=stages,
     )
     if gh.data_ptr() != grad_h0.data_ptr():
         grad_h0.view(batch, n).copy_(gh)

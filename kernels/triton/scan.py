@@ -16,7 +16,7 @@ When ``batch * channel blocks`` is too small to fill the GPU, time is cut into c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -33,20 +33,32 @@ def affine_combine(a1, u1, a2, u2):
 
 
 @triton.jit
+def _tile_rows(k0, c_start, c_len, rows, nmask, REVERSE: tl.constexpr):
+    """Time index and mask of the tile starting ``k0`` steps into the chunk (reversed for REVERSE)."""
+    i = k0 + rows
+    if REVERSE:
+        t = (c_start + c_len - 1 - i).to(tl.int64)
+    else:
+        t = (c_start + i).to(tl.int64)
+    return t, (i < c_len)[:, None] & nmask[None, :]
+
+
+@triton.jit
 def _scan_chunk_kernel(
     A, U, CARRY, OUT, SUM_H, SUM_P,
     T, N, N1, CHUNK,
     sa_b, sa_t, sa_n0, sa_n1,
     su_b, su_t, sc_b, sc_c, so_b, so_t, ss_b, ss_c,
     REVERSE: tl.constexpr, HAS_CARRY: tl.constexpr, SUMMARY: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    a_n = (n // N1).to(tl.int64) * sa_n0 + (n % N1).to(tl.int64) * sa_n1
+    a_ptr = A + pid_b * sa_b + ((n // N1).to(tl.int64) * sa_n0 + (n % N1).to(tl.int64) * sa_n1)[None, :]
+    u_ptr = U + pid_b * su_b + n[None, :]
     c_start = pid_c * CHUNK
     c_len = tl.minimum(CHUNK, T - c_start)
     if HAS_CARRY:
@@ -56,31 +68,44 @@ def _scan_chunk_kernel(
     prod = tl.full([BLOCK_N], 1.0, ACC)
     rows = tl.arange(0, BLOCK_T)
     last = (rows == BLOCK_T - 1)[:, None]
+    if PREFETCH:  # registers hold the next tile while this one is scanned: its load latency is hidden
+        t, m2 = _tile_rows(0, c_start, c_len, rows, nmask, REVERSE)
+        a = tl.load(a_ptr + t[:, None] * sa_t, mask=m2, other=1.0)
+        u = tl.load(u_ptr + t[:, None] * su_t, mask=m2, other=0.0)
     for k0 in range(0, c_len, BLOCK_T):
-        i = k0 + rows
-        valid = i < c_len
-        if REVERSE:
-            t = (c_start + c_len - 1 - i).to(tl.int64)
-        else:
-            t = (c_start + i).to(tl.int64)
-        m2 = valid[:, None] & nmask[None, :]
+        if not PREFETCH:
+            t, m2 = _tile_rows(k0, c_start, c_len, rows, nmask, REVERSE)
+            a = tl.load(a_ptr + t[:, None] * sa_t, mask=m2, other=1.0)
+            u = tl.load(u_ptr + t[:, None] * su_t, mask=m2, other=0.0)
         # Padding rows are the identity map (a = 1, u = 0): the last row is the last valid state.
-        a = tl.load(A + pid_b * sa_b + t[:, None] * sa_t + a_n[None, :], mask=m2, other=1.0).to(ACC)
-        u = tl.load(U + pid_b * su_b + t[:, None] * su_t + n[None, :], mask=m2, other=0.0).to(ACC)
-        a_cum, u_cum = tl.associative_scan((a, u), 0, affine_combine)
+        a_cum, u_cum = tl.associative_scan((a.to(ACC), u.to(ACC)), 0, affine_combine)
         hs = a_cum * h[None, :] + u_cum
         if SUMMARY:
             prod = prod * tl.sum(tl.where(last, a_cum, 0.0), axis=0)
         else:
             tl.store(OUT + pid_b * so_b + t[:, None] * so_t + n[None, :], hs, mask=m2)
         h = tl.sum(tl.where(last, hs, 0.0), axis=0)
+        if PREFETCH:
+            t, m2 = _tile_rows(k0 + BLOCK_T, c_start, c_len, rows, nmask, REVERSE)
+            a = tl.load(a_ptr + t[:, None] * sa_t, mask=m2, other=1.0)
+            u = tl.load(u_ptr + t[:, None] * su_t, mask=m2, other=0.0)
     if SUMMARY:
         tl.store(SUM_H + pid_b * ss_b + pid_c * ss_c + n, h, mask=nmask)
         tl.store(SUM_P + pid_b * ss_b + pid_c * ss_c + n, prod, mask=nmask)
 
 
-def _tiles(batch: int, n: int, length: int, device: torch.device) -> tuple[int, int, int, int]:
-    """``(BLOCK_T, BLOCK_N, num_warps, time chunk)`` for a ``(batch, length, n)`` scan.
+class Tiles(NamedTuple):
+    """A launch configuration of the scan kernel: tile shape, warps, software pipelining."""
+
+    block_t: int
+    block_n: int
+    warps: int
+    stages: int = 3  # Triton's loop pipelining depth (``num_stages``; 3 is Triton's CUDA default)
+    prefetch: bool = False  # load the next tile into registers before scanning this one
+
+
+def _tiles(batch: int, n: int, length: int, device: torch.device) -> tuple[Tiles, int]:
+    """``(tiles, time chunk)`` for a ``(batch, length, n)`` scan.
 
     From the tile sweep on an H200 (``bench/bench_scan_tiles.py``, RESULTS.md "Kernels"): with at
     least 1.5 programs per SM, one pass of tall 128 x 32 tiles is fastest (float32 4 x 16K x 2048:
@@ -90,15 +115,15 @@ def _tiles(batch: int, n: int, length: int, device: torch.device) -> tuple[int, 
     tensors (:mod:`.aot`).
     """
     if INTERPRETED:
-        return 8, min(16, triton.next_power_of_2(max(1, n))), 4, length
+        return Tiles(8, min(16, triton.next_power_of_2(max(1, n))), 4), length
     block_n = min(32, max(16, triton.next_power_of_2(max(1, n))))
     if device.type != "cuda":  # launches recorded on CPU tensors for ahead-of-time compilation
-        return 128, block_n, 4, length
+        return Tiles(128, block_n, 4), length
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if 2 * batch * triton.cdiv(n, block_n) >= 3 * sms:
-        return 128, block_n, 4, length
+        return Tiles(128, block_n, 4), length
     block_n = min(64, max(16, triton.next_power_of_2(max(1, n))))
-    return 32, block_n, 2, _default_chunk(batch, n, length, 32, block_n, device)
+    return Tiles(32, block_n, 2), _default_chunk(batch, n, length, 32, block_n, device)
 
 
 def _default_chunk(batch: int, n: int, length: int, block_t: int, block_n: int, device: torch.device) -> int:
@@ -121,14 +146,14 @@ def scan_triton(
     out_dtype: Optional[torch.dtype] = None,
     chunk: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
-    tiles: Optional[tuple[int, int, int]] = None,
+    tiles: Optional[Tiles] = None,
 ) -> torch.Tensor:
     """Same contract as :func:`gradshard.kernels.scan_torch.scan_torch`; ``chunk`` forces the time chunk.
 
     ``out``: a contiguous ``u``-shaped tensor of ``out_dtype`` to write into; it may be ``u``
     itself (every program reads a tile of ``u`` before writing the same tile of ``out``).
-    ``tiles``: ``(BLOCK_T, BLOCK_N, num_warps)`` instead of :func:`_tiles`'s (for tuning:
-    ``bench/bench_scan_tiles.py``).
+    ``tiles``: a :class:`Tiles` (or its leading fields as a tuple) instead of :func:`_tiles`'s
+    (for tuning: ``bench/bench_scan_tiles.py``).
     """
     check_device(u)
     acc = accumulation_dtype(torch.promote_types(a.dtype, u.dtype))
@@ -148,17 +173,18 @@ def scan_triton(
     o3 = out.view(batch, length, n)
     sa = state_strides(a, u.shape)
     h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
-    block_t, block_n, warps, own_chunk = _tiles(batch, n, length, u.device)
+    cfg, own_chunk = _tiles(batch, n, length, u.device)
     if tiles is not None:
-        block_t, block_n, warps = tiles
-        own_chunk = length if INTERPRETED or not u.is_cuda else _default_chunk(batch, n, length, block_t, block_n,
-                                                                                u.device)
+        cfg = Tiles(*tiles)
+        own_chunk = length if INTERPRETED or not u.is_cuda else _default_chunk(batch, n, length, cfg.block_t,
+                                                                                cfg.block_n, u.device)
     if chunk is None:
         chunk = own_chunk
     chunk = max(1, min(int(chunk), length))
     n_chunks = triton.cdiv(length, chunk)
-    grid = (triton.cdiv(n, block_n), n_chunks, batch)
-    common = dict(BLOCK_T=block_t, BLOCK_N=block_n, ACC=tl_dtype(acc), REVERSE=bool(reverse), num_warps=warps)
+    grid = (triton.cdiv(n, cfg.block_n), n_chunks, batch)
+    common = dict(BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, ACC=tl_dtype(acc), REVERSE=bool(reverse),
+                  PREFETCH=cfg.prefetch, num_warps=cfg.warps, num_stages=cfg.stages)
     a_args = (length, n, sa.inner, chunk, sa.batch, sa.time, sa.outer_stride, sa.inner_stride)
     if n_chunks == 1:
         carry = h0_2 if h0_2 is not None else u3
