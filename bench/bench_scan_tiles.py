@@ -7,8 +7,8 @@
 For each shape ``B x T x N`` and dtype, every configuration of the grid below: for ``scan``
 (forward ``linear_scan``) the tile ``(BLOCK_T, BLOCK_N)``, warps, Triton's ``num_stages`` and
 the kernel's register prefetch of the next tile, in one pass (``chunk=T``: each program walks
-the whole sequence for its channels) when ``batch x channel blocks`` fills the GPU, else with
-the kernel's time chunking; for ``adjoint`` (``adjoint_shard``) tile, warps and stages. Prints
+the whole sequence for its channels) when the kernel's own policy runs one pass at that shape,
+else with the kernel's time chunking; for ``adjoint`` (``adjoint_shard``) tile, warps and stages. Prints
 GB/s at the minimum traffic (scan: read a, u, write h; adjoint: read a, u, g, write grad_a,
 grad_u) and the fraction of the device's HBM bandwidth from ``gradshard.cost.devices``. The
 kernels' launch policies (``_tiles`` in :mod:`gradshard.kernels.triton.scan`, ``_adjoint_tiles``
@@ -33,9 +33,9 @@ from gradshard.kernels.scan_torch import scan_torch
 from gradshard.kernels.triton.adjoint import adjoint_shard_triton
 from gradshard.kernels.triton.scan import Tiles, _tiles, scan_triton
 
-SCAN_GRID = dict(block_t=(64, 128, 256), block_n=(32, 64), warps=(4, 8), stages=(1, 3), prefetch=(False, True))
-SCAN_GRID_CHUNKED = dict(block_t=(32, 64, 128), block_n=(32, 64), warps=(2, 4), stages=(1, 3), prefetch=(False, True))
-ADJOINT_GRID = dict(block_t=(16, 32, 64), block_n=(16, 32, 64), warps=(2, 4), stages=(1, 3))
+SCAN_GRID = dict(block_t=(128, 256, 64), block_n=(32, 64), warps=(4, 8), stages=(3,), prefetch=(False, True))
+SCAN_GRID_CHUNKED = dict(block_t=(64, 32, 128), block_n=(64, 32), warps=(2, 4), stages=(3,), prefetch=(True, False))
+ADJOINT_GRID = dict(block_t=(64, 128, 32), block_n=(16, 32), warps=(2, 4), stages=(3,))
 CHECK_STEPS = 4096
 
 
@@ -46,14 +46,17 @@ def _configs(grid: dict[str, tuple]) -> list[dict]:
 def _scan_cases(a: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> tuple[list, Callable, float]:
     b, t, n = u.shape
     _, default_chunk = _tiles(b, n, t, u.device)
-    grid = SCAN_GRID if default_chunk == t else SCAN_GRID_CHUNKED
+    one_pass = default_chunk == t  # the policy's form for this shape; explicit tiles would chunk otherwise
+    grid = SCAN_GRID if one_pass else SCAN_GRID_CHUNKED
     ref = scan_torch(a[:, :CHECK_STEPS].float(), u[:, :CHECK_STEPS].float(), None)
     cases = []
     for cfg in _configs(grid):
         if cfg["block_t"] * cfg["block_n"] > 16384:
             continue
         tiles = Tiles(cfg["block_t"], cfg["block_n"], cfg["warps"], cfg["stages"], cfg["prefetch"])
-        cases.append((cfg, lambda tiles=tiles: scan_triton(a, u, None, out_dtype=dtype, tiles=tiles)))
+        chunk = t if one_pass else None
+        cases.append((cfg, lambda tiles=tiles, chunk=chunk: scan_triton(a, u, None, out_dtype=dtype, tiles=tiles,
+                                                                       chunk=chunk)))
 
     def check(out: torch.Tensor) -> float:
         got = out[:, :CHECK_STEPS].float()
