@@ -2,13 +2,15 @@
 
     python bench/bench_scan_tiles.py                          # scan, float32 and bfloat16, bench_kernels shapes
     python bench/bench_scan_tiles.py --kernel adjoint --dtypes float32
+    python bench/bench_scan_tiles.py --kernel lookback
     python bench/bench_scan_tiles.py --shapes 4x16384x2048 --budget-s 60 --json out.json
 
 For each shape ``B x T x N`` and dtype, every configuration of the grid below: for ``scan``
 (forward ``linear_scan``) the tile ``(BLOCK_T, BLOCK_N)``, warps, Triton's ``num_stages`` and
 the kernel's register prefetch of the next tile, in one pass (``chunk=T``: each program walks
 the whole sequence for its channels) when the kernel's own policy runs one pass at that shape,
-else with the kernel's time chunking; for ``adjoint`` (``adjoint_shard``) tile, warps and stages. Prints
+else with the kernel's time chunking; for ``lookback`` the one-pass decoupled look-back scan's tiles and
+warps; for ``adjoint`` (``adjoint_shard``) tile, warps and stages. Prints
 GB/s at the minimum traffic (scan: read a, u, write h; adjoint: read a, u, g, write grad_a,
 grad_u) and the fraction of the device's HBM bandwidth from ``gradshard.cost.devices``. The
 kernels' launch policies (``_tiles`` in :mod:`gradshard.kernels.triton.scan`, ``_adjoint_tiles``
@@ -35,6 +37,8 @@ from gradshard.kernels.triton.scan import Tiles, _tiles, scan_triton
 
 SCAN_GRID = dict(block_t=(128, 256, 64), block_n=(32, 64), warps=(4, 8), stages=(3,), prefetch=(False, True))
 SCAN_GRID_CHUNKED = dict(block_t=(64, 32, 128), block_n=(64, 32), warps=(2, 4), stages=(3,), prefetch=(True, False))
+LOOKBACK_GRID = dict(block_t=(64, 128, 32), block_n=(32, 64), warps=(2, 4), stages=(3,), prefetch=(False,),
+                     lookback=(True,))
 ADJOINT_GRID = dict(block_t=(64, 128, 32), block_n=(16, 32), warps=(2, 4), stages=(3,))
 CHECK_STEPS = 4096
 
@@ -43,17 +47,18 @@ def _configs(grid: dict[str, tuple]) -> list[dict]:
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
-def _scan_cases(a: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> tuple[list, Callable, float]:
+def _scan_cases(a: torch.Tensor, u: torch.Tensor, dtype: torch.dtype, lookback: bool = False
+                ) -> tuple[list, Callable, float]:
     b, t, n = u.shape
     _, default_chunk = _tiles(b, n, t, u.device)
     one_pass = default_chunk == t  # the policy's form for this shape; explicit tiles would chunk otherwise
-    grid = SCAN_GRID if one_pass else SCAN_GRID_CHUNKED
+    grid = LOOKBACK_GRID if lookback else SCAN_GRID if one_pass else SCAN_GRID_CHUNKED
     ref = scan_torch(a[:, :CHECK_STEPS].float(), u[:, :CHECK_STEPS].float(), None)
     cases = []
     for cfg in _configs(grid):
         if cfg["block_t"] * cfg["block_n"] > 16384:
             continue
-        tiles = Tiles(cfg["block_t"], cfg["block_n"], cfg["warps"], cfg["stages"], cfg["prefetch"])
+        tiles = Tiles(**cfg)
         chunk = t if one_pass else None
         cases.append((cfg, lambda tiles=tiles, chunk=chunk: scan_triton(a, u, None, out_dtype=dtype, tiles=tiles,
                                                                        chunk=chunk)))
@@ -82,7 +87,8 @@ def _adjoint_cases(a: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> tupl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("scan", "adjoint"), default="scan")
+    ap.add_argument("--kernel", choices=("scan", "lookback", "adjoint"), default="scan",
+                    help="scan: the policy's form (one pass or chunked); lookback: the one-pass look-back scan")
     ap.add_argument("--shapes", default="4x16384x2048,1x65536x2048")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--profile", default=None, help="gradshard.cost device profile (default: by device name)")
@@ -99,9 +105,11 @@ def main() -> None:
         dtype = getattr(torch, dt)
         a = torch.rand(b, t, n, device="cuda").mul_(0.5).add_(0.5).to(dtype)
         u = torch.randn(b, t, n, device="cuda", dtype=dtype)
-        make = _scan_cases if args.kernel == "scan" else _adjoint_cases
-        cases, check, nbytes = make(a, u, dtype)
-        own = (lambda: scan_triton(a, u, None, out_dtype=dtype)) if args.kernel == "scan" else (
+        if args.kernel == "adjoint":
+            cases, check, nbytes = _adjoint_cases(a, u, dtype)
+        else:
+            cases, check, nbytes = _scan_cases(a, u, dtype, lookback=args.kernel == "lookback")
+        own = (lambda: scan_triton(a, u, None, out_dtype=dtype)) if args.kernel != "adjoint" else (
             lambda: adjoint_shard_triton(a, u, torch.randn_like(u), None, None, (dtype,) * 3))
         base = triton.testing.do_bench(own, warmup=5, rep=40)
         print(f"== {args.kernel} {shape} {dt}: the kernel's own choice {base:.3f} ms, "

@@ -102,6 +102,74 @@ class Tiles(NamedTuple):
     warps: int
     stages: int = 3  # Triton's loop pipelining depth (``num_stages``; 3 is Triton's CUDA default)
     prefetch: bool = False  # load the next tile into registers before scanning this one
+    lookback: bool = False  # one pass, one tile per program, decoupled look-back (time chunks ignored)
+
+
+@triton.jit
+def _scan_lookback_kernel(
+    A, U, H0, OUT, AGG_A, AGG_U, INCL, FLAGS, TICKET,
+    T, N, N1, N_TILES, N_BLOCKS, BATCH,
+    sa_b, sa_t, sa_n0, sa_n1, su_b, su_t, so_b, so_t,
+    REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+):
+    """One pass, one tile per program, decoupled look-back (Merrill & Garland 2016).
+
+    A ticket taken at start orders programs by tile (tile-major), so every program's
+    predecessors have started and the spin-waits below cannot deadlock. A program scans its
+    tile from zero, publishes the tile's aggregate map (flag 1), walks back over its
+    predecessors' aggregates until one has published its inclusive state (flag 2), then writes
+    its states and publishes its own inclusive state. a and u are read once and h written once.
+    """
+    ticket = tl.atomic_add(TICKET, 1)
+    k = ticket // (N_BLOCKS * BATCH)
+    rest = ticket % (N_BLOCKS * BATCH)
+    pid_b = (rest // N_BLOCKS).to(tl.int64)
+    pid_n = rest % N_BLOCKS
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    a_ptr = A + pid_b * sa_b + ((n // N1).to(tl.int64) * sa_n0 + (n % N1).to(tl.int64) * sa_n1)[None, :]
+    u_ptr = U + pid_b * su_b + n[None, :]
+    rows = tl.arange(0, BLOCK_T)
+    last = (rows == BLOCK_T - 1)[:, None]
+    t, m2 = _tile_rows(k * BLOCK_T, 0, T, rows, nmask, REVERSE)
+    a = tl.load(a_ptr + t[:, None] * sa_t, mask=m2, other=1.0).to(ACC)
+    u = tl.load(u_ptr + t[:, None] * su_t, mask=m2, other=0.0).to(ACC)
+    a_cum, u_cum = tl.associative_scan((a, u), 0, affine_combine)
+    rows_of = pid_b * N_TILES * N + n  # row k of a (BATCH, N_TILES, N) summary: + k * N
+    flags_of = FLAGS + pid_b * N_TILES * N_BLOCKS + pid_n  # tile k's flag: + k * N_BLOCKS
+    tl.store(AGG_A + rows_of + k * N, tl.sum(tl.where(last, a_cum, 0.0), axis=0), mask=nmask)
+    tl.store(AGG_U + rows_of + k * N, tl.sum(tl.where(last, u_cum, 0.0), axis=0), mask=nmask)
+    tl.debug_barrier()  # every thread's summary store before the flag that publishes it
+    tl.atomic_xchg(flags_of + k * N_BLOCKS, 1, sem="release")
+    # Compose predecessors' maps, latest first, into h -> acc_a h + acc_u (the map from the
+    # state before tile j to the state entering tile k), until an inclusive state is found.
+    acc_a = tl.full([BLOCK_N], 1.0, ACC)
+    acc_u = tl.zeros([BLOCK_N], dtype=ACC)
+    found = 0
+    j = k - 1
+    while j >= 0:
+        flag = tl.atomic_add(flags_of + j * N_BLOCKS, 0, sem="acquire")
+        if flag == 2:
+            p = tl.load(INCL + rows_of + j * N, mask=nmask, other=0.0, volatile=True)
+            acc_u = acc_a * p + acc_u
+            found = 1
+            j = -1
+        elif flag == 1:
+            agg_a = tl.load(AGG_A + rows_of + j * N, mask=nmask, other=1.0, volatile=True)
+            agg_u = tl.load(AGG_U + rows_of + j * N, mask=nmask, other=0.0, volatile=True)
+            acc_u = acc_a * agg_u + acc_u
+            acc_a = acc_a * agg_a
+            j = j - 1
+    h = acc_u
+    if HAS_H0:
+        if found == 0:
+            h = acc_a * tl.load(H0 + pid_b * N + n, mask=nmask, other=0.0).to(ACC) + acc_u
+    hs = a_cum * h[None, :] + u_cum
+    tl.store(OUT + pid_b * so_b + t[:, None] * so_t + n[None, :], hs, mask=m2)
+    tl.store(INCL + rows_of + k * N, tl.sum(tl.where(last, hs, 0.0), axis=0), mask=nmask)
+    tl.debug_barrier()
+    tl.atomic_xchg(flags_of + k * N_BLOCKS, 2, sem="release")
 
 
 def _tiles(batch: int, n: int, length: int, device: torch.device) -> tuple[Tiles, int]:
@@ -179,6 +247,9 @@ def scan_triton(
         cfg = Tiles(*tiles)
         own_chunk = length if INTERPRETED or not u.is_cuda else _default_chunk(batch, n, length, cfg.block_t,
                                                                                 cfg.block_n, u.device)
+    if cfg.lookback:
+        _launch_lookback(sa, u3, h0_2, o3, cfg, acc, reverse)
+        return out
     if chunk is None:
         chunk = own_chunk
     chunk = max(1, min(int(chunk), length))
@@ -211,3 +282,20 @@ def scan_triton(
         HAS_CARRY=True, SUMMARY=False, **common,
     )
     return out
+
+
+def _launch_lookback(sa, u3: torch.Tensor, h0_2: Optional[torch.Tensor], o3: torch.Tensor, cfg: Tiles,
+                     acc: torch.dtype, reverse: bool) -> None:
+    """One launch of :func:`_scan_lookback_kernel` over every (tile, channel block, batch row)."""
+    batch, length, n = u3.shape
+    n_tiles, n_blocks = triton.cdiv(length, cfg.block_t), triton.cdiv(n, cfg.block_n)
+    agg_a = torch.empty((batch, n_tiles, n), dtype=acc, device=u3.device)
+    agg_u, incl = torch.empty_like(agg_a), torch.empty_like(agg_a)
+    flags = torch.zeros(batch * n_tiles * n_blocks + 1, dtype=torch.int32, device=u3.device)
+    _scan_lookback_kernel[(batch * n_tiles * n_blocks,)](
+        sa.tensor, u3, h0_2 if h0_2 is not None else u3, o3, agg_a, agg_u, incl, flags, flags[-1:],
+        length, n, sa.inner, n_tiles, n_blocks, batch,
+        sa.batch, sa.time, sa.outer_stride, sa.inner_stride, u3.stride(0), u3.stride(1), o3.stride(0), o3.stride(1),
+        REVERSE=bool(reverse), HAS_H0=h0_2 is not None, BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n,
+        ACC=tl_dtype(acc), num_warps=cfg.warps, num_stages=cfg.stages,
+    )

@@ -37,7 +37,7 @@ else:
     from gradshard.kernels.scan_torch import scan_naive
     from gradshard.kernels.triton.adjoint import adjoint_shard_triton
     from gradshard.kernels.triton.lightning import lightning_bwd_triton, lightning_fwd_triton
-    from gradshard.kernels.triton.scan import scan_triton
+    from gradshard.kernels.triton.scan import Tiles, scan_triton
 
     def scan_inputs(batch, length, a_shape=None, dtype=F64, seed=0):
         g = torch.Generator().manual_seed(seed)
@@ -57,6 +57,24 @@ else:
         h0 = h0 if with_h0 else None
         out = scan_triton(a, u, h0, reverse=reverse, chunk=chunk)
         assert rel(out, scan_naive(a, u, h0, reverse)) <= tol(F64)
+
+    @pytest.mark.parametrize("tiles", [Tiles(8, 16, 4, prefetch=True), Tiles(8, 16, 4, lookback=True),
+                                       Tiles(16, 16, 2, lookback=True)], ids=["prefetch", "lookback", "lookback16"])
+    @pytest.mark.parametrize("length,batch,reverse,with_h0,chunk",
+                             [(1, 1, False, True, None), (37, 3, True, True, None), (37, 3, False, False, 10),
+                              (64, 2, False, True, None), (41, 1, True, False, 8)])
+    def test_scan_launch_variants_match_loop(tiles, length, batch, reverse, with_h0, chunk):
+        """Register prefetch (one pass and chunked) and the one-pass look-back kernel, on ragged
+        and exact tile counts, with broadcast coefficients and in place over ``u``."""
+        a, u, h0 = scan_inputs(batch, length)
+        h0 = h0 if with_h0 else None
+        ref = scan_naive(a, u, h0, reverse)
+        assert rel(scan_triton(a, u, h0, reverse=reverse, chunk=chunk, tiles=tiles), ref) <= tol(F64)
+        a_b = a[..., :1].contiguous()
+        assert rel(scan_triton(a_b, u, h0, reverse=reverse, tiles=tiles), scan_naive(a_b, u, h0, reverse)) <= tol(F64)
+        u2 = u.clone()
+        scan_triton(a, u2, h0, reverse=reverse, tiles=tiles, out=u2)
+        assert rel(u2, ref) <= tol(F64)
 
     @pytest.mark.parametrize("reverse,chunk", [(False, None), (True, None), (False, 8), (True, 10)])
     def test_scan_in_place_over_its_input(reverse, chunk):
