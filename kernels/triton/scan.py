@@ -1,17 +1,18 @@
-"""Triton diagonal linear scan, forward and reverse, chunk-parallel over time, fp32 accumulation.
+"""Triton diagonal linear scan, forward and reverse, fp32 accumulation, in three launch forms.
 
-One program owns ``BLOCK_N`` state channels of one batch row and one time chunk. It walks its
-chunk in tiles of ``BLOCK_T`` steps; inside a tile the recurrence is a ``tl.associative_scan``
-with the affine combine ``(a1, u1) . (a2, u2) = (a1 a2, a2 u1 + u2)``, and the tile's last row is
-the carry into the next tile. The reverse scan loads tiles in reversed time order and runs the
-same forward combine (no reliance on ``associative_scan(reverse=True)`` semantics).
+Inside a tile of ``BLOCK_T`` steps x ``BLOCK_N`` channels the recurrence is a
+``tl.associative_scan`` with the affine combine ``(a1, u1) . (a2, u2) = (a1 a2, a2 u1 + u2)``.
+The reverse scan loads tiles in reversed time order and runs the same forward combine (no
+reliance on ``associative_scan(reverse=True)`` semantics). The forms (:func:`_tiles` picks one):
 
-When ``batch * channel blocks`` is too small to fill the GPU, time is cut into chunks:
-
-1. ``SUMMARY`` launch: every chunk's local end state (from zero) and its product of ``a``;
-2. the chunk summaries are themselves a linear scan (recursive call) giving each chunk's
-   incoming state;
-3. final launch: every chunk rescans from its incoming state and writes ``h``.
+* *one pass* (``batch x channel blocks`` fills the GPU): one program per channel block and batch
+  row walks the whole sequence tile by tile, the last row of a tile carrying into the next;
+* *look-back* (too few channel blocks): one program per tile; each publishes its tile's
+  aggregate map, composes its predecessors' maps until one has published its inclusive state
+  (decoupled look-back), then writes its states. a and u are read once, h written once;
+* *chunked* (a time chunk forced by the caller): a ``SUMMARY`` launch gives every chunk's local
+  end state and product of ``a``, the summaries are scanned (recursive call), and a final launch
+  rescans every chunk from its incoming state (a and u read twice).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Tiles(NamedTuple):
     warps: int
     stages: int = 3  # Triton's loop pipelining depth (``num_stages``; 3 is Triton's CUDA default)
     prefetch: bool = False  # load the next tile into registers before scanning this one
-    lookback: bool = False  # one pass, one tile per program, decoupled look-back (time chunks ignored)
+    lookback: bool = False  # one tile per program, decoupled look-back (unless a time chunk is forced)
 
 
 @triton.jit
@@ -172,27 +173,28 @@ def _scan_lookback_kernel(
     tl.atomic_xchg(flags_of + k * N_BLOCKS, 2, sem="release")
 
 
-def _tiles(batch: int, n: int, length: int, device: torch.device) -> tuple[Tiles, int]:
-    """``(tiles, time chunk)`` for a ``(batch, length, n)`` scan.
+def _tiles(batch: int, n: int, length: int, device: torch.device, itemsize: int = 4) -> tuple[Tiles, int]:
+    """``(tiles, time chunk)`` for a ``(batch, length, n)`` scan of ``itemsize``-byte inputs.
 
     From the tile sweeps on an H200 (``bench/bench_scan_tiles.py``, RESULTS.md "Kernels"): with at
-    least 1.5 programs per SM, one pass of tall 128 x 32 tiles is fastest (float32 4 x 16K x 2048:
-    67% of HBM bandwidth, against 38% with two passes); with fewer, time is chunked (two passes)
-    and 64 x 64 tiles with 2 warps and the next tile prefetched do best (1 x 64K x 2048: 48%
-    float32, 23% bfloat16). ``num_stages`` made no measurable difference (the loop's loads feed a
-    scan, not a dot). Tiny tiles under the interpreter (it scans element by element); the
-    one-pass tiles for launches recorded on CPU tensors (:mod:`.aot`).
+    least 1.5 programs per SM, one pass of tall 128 x 32 tiles with the next tile prefetched is
+    fastest (4 x 16K x 2048: 68% of HBM bandwidth in float32, 34% in bfloat16); with fewer, the
+    one-pass look-back kernel over 64-step tiles (1 x 64K x 2048: 60% float32 with 64 channels per
+    tile, 31% bfloat16 with 32), against 48% / 24% for the two-pass chunked scan, which reads a and
+    u twice. ``num_stages`` made no measurable difference (the loop's loads feed a scan, not a
+    dot). Tiny tiles under the interpreter (it scans element by element); the one-pass tiles for
+    launches recorded on CPU tensors (:mod:`.aot`).
     """
     if INTERPRETED:
         return Tiles(8, min(16, triton.next_power_of_2(max(1, n))), 4), length
     block_n = min(32, max(16, triton.next_power_of_2(max(1, n))))
     if device.type != "cuda":  # launches recorded on CPU tensors for ahead-of-time compilation
-        return Tiles(128, block_n, 4), length
+        return Tiles(128, block_n, 4, prefetch=True), length
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if 2 * batch * triton.cdiv(n, block_n) >= 3 * sms:
-        return Tiles(128, block_n, 4), length
-    block_n = min(64, max(16, triton.next_power_of_2(max(1, n))))
-    return Tiles(64, block_n, 2, prefetch=True), _default_chunk(batch, n, length, 64, block_n, device)
+        return Tiles(128, block_n, 4, prefetch=True), length
+    block_n = min(64 if itemsize >= 4 else 32, max(16, triton.next_power_of_2(max(1, n))))
+    return Tiles(64, block_n, 2, lookback=True), length
 
 
 def _default_chunk(batch: int, n: int, length: int, block_t: int, block_n: int, device: torch.device) -> int:
@@ -242,12 +244,12 @@ def scan_triton(
     o3 = out.view(batch, length, n)
     sa = state_strides(a, u.shape)
     h0_2 = None if h0 is None else h0.reshape(batch, n).contiguous()
-    cfg, own_chunk = _tiles(batch, n, length, u.device)
+    cfg, own_chunk = _tiles(batch, n, length, u.device, min(a.element_size(), u.element_size()))
     if tiles is not None:
         cfg = Tiles(*tiles)
         own_chunk = length if INTERPRETED or not u.is_cuda else _default_chunk(batch, n, length, cfg.block_t,
                                                                                 cfg.block_n, u.device)
-    if cfg.lookback:
+    if cfg.lookback and chunk is None:
         _launch_lookback(sa, u3, h0_2, o3, cfg, acc, reverse)
         return out
     if chunk is None:
