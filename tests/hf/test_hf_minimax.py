@@ -5,7 +5,10 @@ over blocks of 16 steps, are recognised as one linear recurrence
 The zoo's model computes its decay tables in float32 before the float64 cast (transformers
 builds buffers first), so a recurrence with one ``λ`` per head matches them to float32
 rounding: the cells hold at the family's 1e-5. With the tables recomputed in float64 the
-same plans agree with eager to 1e-10.
+same plans agree with eager to 1e-10, except where a plan rewrites the ``eager`` attention
+layers (seco/spaco chunk them): eager attention takes its softmax in float32
+(``softmax(..., dtype=torch.float32).to(query.dtype)``), a rounding the chunked softmax does not
+repeat step for step, so those cells hold at float32's 1e-5 (measured: 4.9e-8).
 """
 
 from __future__ import annotations
@@ -55,4 +58,5 @@ def test_zoo_cell_is_exact(attn: str, plan: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("attn, plan", CELLS, ids=["-".join(c) for c in CELLS])
 def test_cell_is_exact_with_float64_decay_tables(attn: str, plan: str) -> None:
-    assert _max_rel_err(plan, attn) <= 1e-10
+    float32_softmax_rewritten = attn == "eager" and plan in ("seco", "spaco")
+    assert _max_rel_err(plan, attn) <= (1e-5 if float32_softmax_rewritten else 1e-10)
