@@ -28,7 +28,7 @@ import triton
 from gradshard.kernels.triton.adjoint import adjoint_shard_triton
 from gradshard.kernels.triton.aot import SM_LIMITS, CompiledVariant, compile_all
 from gradshard.kernels.triton.lightning import lightning_bwd_triton, lightning_fwd_triton
-from gradshard.kernels.triton.scan import scan_triton
+from gradshard.kernels.triton.scan import Tiles, scan_triton
 
 T = 16384
 
@@ -52,6 +52,10 @@ def scan_cases() -> dict[str, Callable[[], Any]]:
         _e(2, T, 8, 1, 1), _e(2, T, 8, 64, 64), None)
     cases["scan chunked fp32 B1 T16K N64 (3 launches + recursion)"] = lambda: scan_triton(
         _e(1, T, 64), _e(1, T, 64), _e(1, 64), chunk=512)
+    for dt, bn in ((torch.float32, 64), (torch.bfloat16, 32)):  # the policy's look-back tiles on a GPU
+        name = str(dt).removeprefix("torch.")
+        cases[f"scan look-back {name} B1 T64K N2048"] = lambda dt=dt, bn=bn: scan_triton(
+            _e(1, 4 * T, 2048, dtype=dt), _e(1, 4 * T, 2048, dtype=dt), None, tiles=Tiles(64, bn, 2, lookback=True))
     return cases
 
 

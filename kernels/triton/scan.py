@@ -188,11 +188,12 @@ def _tiles(batch: int, n: int, length: int, device: torch.device, itemsize: int 
     if INTERPRETED:
         return Tiles(8, min(16, triton.next_power_of_2(max(1, n))), 4), length
     block_n = min(32, max(16, triton.next_power_of_2(max(1, n))))
+    one_pass = Tiles(128, block_n, 4, prefetch=itemsize < 8)  # float64 prefetch spills registers (sm_90)
     if device.type != "cuda":  # launches recorded on CPU tensors for ahead-of-time compilation
-        return Tiles(128, block_n, 4, prefetch=True), length
+        return one_pass, length
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if 2 * batch * triton.cdiv(n, block_n) >= 3 * sms:
-        return Tiles(128, block_n, 4, prefetch=True), length
+        return one_pass, length
     block_n = min(64 if itemsize >= 4 else 32, max(16, triton.next_power_of_2(max(1, n))))
     return Tiles(64, block_n, 2, lookback=True), length
 
