@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "Labels", "Factors", "NodeDims", "DimAnalysis", "DimsContext", "Rule", "DIM_RULES", "register_dim_rule",
+    "Labels", "Factors", "NodeDims", "SplitRecord", "DimAnalysis", "DimsContext", "Rule", "DIM_RULES",
+    "register_dim_rule",
     "shape_of", "norm_dim", "merge_selected", "broadcast_dims", "tensor_args", "pointwise_rule", "carry_factors",
 ]
 
@@ -39,6 +40,19 @@ class NodeDims:
     factors: tuple[Factors, ...] | None = None
 
 
+@dataclass(frozen=True)
+class SplitRecord:
+    """A dim with labels ``whole`` split by a reshape into pieces with fresh labels.
+
+    ``pieces`` are the (label, size) of the pieces in order (a time axis split into
+    ``(T/c, c)`` blocks gives two). A later reshape that merges exactly these pieces, in this
+    order, gives the merged dim the labels ``whole`` again.
+    """
+
+    whole: frozenset[int]
+    pieces: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class DimAnalysis:
     """Result of :func:`analyze_dims` (an analysis: the graph is not changed)."""
@@ -47,6 +61,7 @@ class DimAnalysis:
     classes: nx.utils.UnionFind
     input_labels: dict[str, tuple[int, ...]]  # placeholder name -> label per dim
     opaque: list[str] = field(default_factory=list)
+    splits: list[SplitRecord] = field(default_factory=list)  # splits that gave pieces fresh labels
 
     def canon(self, label: int) -> int:
         return self.classes[label]

@@ -2,20 +2,23 @@
 
 Registers into :data:`gradshard.analysis.dim_core.DIM_RULES` on import (done by
 :mod:`gradshard.analysis.dims`). Views split and merge dims by matching size products (a
-merged dim remembers its factors); ``select`` remembers the label it removed so a
-``stack``/``cat`` of per-step pieces gives the new dim that label again.
+merged dim remembers its factors); a dim split into pieces with fresh labels is recorded
+(:class:`SplitRecord`), so merging exactly those pieces back, in order, restores the dim's
+labels (a time axis reshaped into ``(T/c, c)`` blocks and back is the time axis again);
+``select`` remembers the label it removed so a ``stack``/``cat`` of per-step pieces gives
+the new dim that label again.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-from .dim_core import (DimsContext, Factors, Labels, NodeDims, carry_factors, merge_selected, norm_dim,
-                       register_dim_rule, shape_of)
+from .dim_core import (DimsContext, Factors, Labels, NodeDims, SplitRecord, carry_factors, merge_selected,
+                       norm_dim, register_dim_rule, shape_of)
 
 aten = torch.ops.aten
 
@@ -91,8 +94,67 @@ def _reshape_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     d = ctx.get(src)
     labels = d.dims if d else ctx.fresh_dims(in_shape)
     dims, factors = reshape_labels(in_shape, out_shape, labels, d.factors if d else None)
+    dims, factors = _restore_split_wholes(dims, factors, ctx)
     dims, factors = _unshare_unlinked_split(dims, factors, out_shape, ctx)
     return NodeDims(dims, d.selected if d else frozenset(), factors=factors)
+
+
+def _restore_split_wholes(dims: Labels, factors: tuple[Factors, ...],
+                          ctx: DimsContext) -> tuple[Labels, tuple[Factors, ...]]:
+    """Give a merged dim the labels of the dim it was split from when it merges those pieces back.
+
+    A split whose pieces got fresh labels (:func:`_unshare_unlinked_split`) is recorded; a
+    merged dim whose factors hold, consecutively and in order, factors of the same classes and
+    sizes as a record's pieces has that run replaced by one factor of the record's ``whole``
+    labels. ``(B, T) -> (B, T/c, c) -> ... -> (B, T)`` so gives the time axis back, not a new
+    axis that only the blocks share. Nested splits unwind innermost first.
+    """
+    if not ctx.a.splits or all(len(fs) < 2 for fs in factors):
+        return dims, factors
+    canon = ctx.a.canon
+    by_first: dict[int, list[SplitRecord]] = {}  # records by the class of their first piece
+    for rec in ctx.a.splits:
+        by_first.setdefault(canon(rec.pieces[0][0]), []).append(rec)
+    out, out_f = list(dims), list(factors)
+    for k, fs in enumerate(factors):
+        if len(fs) < 2:
+            continue
+        merged = _merge_recorded_runs(fs, by_first, canon)
+        if merged != fs:
+            out[k] = frozenset().union(*(ls for ls, _ in merged))
+            out_f[k] = merged
+    return tuple(out), tuple(out_f)
+
+
+def _merge_recorded_runs(fs: Factors, by_first: dict[int, list[SplitRecord]],
+                         canon: Callable[[int], int]) -> Factors:
+    """``fs`` with every run of factors that matches a :class:`SplitRecord` replaced by its whole."""
+    while len(fs) >= 2:
+        classes = [_single_class(ls, canon) for ls, _ in fs]
+        hit = next(((i, rec) for i, c in enumerate(classes) if c is not None for rec in by_first.get(c, ())
+                    if _run_matches(fs, classes, i, rec, canon)), None)
+        if hit is None:
+            break
+        i, rec = hit
+        size = 1
+        for _, s in rec.pieces:
+            size *= s
+        fs = (*fs[:i], (rec.whole, size), *fs[i + len(rec.pieces):])
+    return fs
+
+
+def _single_class(labels: frozenset[int], canon: Callable[[int], int]) -> int | None:
+    """The class of ``labels`` when they all belong to one, else None."""
+    found = {canon(l) for l in labels}
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def _run_matches(fs: Factors, classes: list[int | None], i: int, rec: SplitRecord,
+                 canon: Callable[[int], int]) -> bool:
+    """Do the factors from ``i`` on have the classes and sizes of ``rec``'s pieces, in order?"""
+    n = len(rec.pieces)
+    return i + n <= len(fs) and all(classes[i + j] == canon(lab) and fs[i + j][1] == size
+                                    for j, (lab, size) in enumerate(rec.pieces))
 
 
 def _unshare_unlinked_split(dims: Labels, factors: tuple[Factors, ...], out_shape: tuple[int, ...],
@@ -101,7 +163,8 @@ def _unshare_unlinked_split(dims: Labels, factors: tuple[Factors, ...], out_shap
 
     A split off factor boundaries gives every piece the dim's labels; for an axis with no
     provenance (a buffer from ``zeros``, filled piecewise along a ``(chunk, d)`` axis) that shared
-    label would later tie the pieces together, e.g. a chunk index to a head dim.
+    label would later tie the pieces together, e.g. a chunk index to a head dim. The split is
+    recorded (``ctx.a.splits``) so that merging the pieces back restores the dim's labels.
     """
     seen: dict[frozenset[int], int] = {}
     for ls, size in zip(dims, out_shape):
@@ -112,10 +175,14 @@ def _unshare_unlinked_split(dims: Labels, factors: tuple[Factors, ...], out_shap
     if not shared:
         return dims, factors
     out, out_f = list(dims), list(factors)
+    pieces: dict[frozenset[int], list[tuple[int, int]]] = {ls: [] for ls in shared}
     for i, (ls, size) in enumerate(zip(dims, out_shape)):
         if ls in shared and size != 1:
-            fresh = frozenset([ctx.fresh()])
+            label = ctx.fresh()
+            fresh = frozenset([label])
             out[i], out_f[i] = fresh, ((fresh, size),)
+            pieces[ls].append((label, size))
+    ctx.a.splits.extend(SplitRecord(ls, tuple(ps)) for ls, ps in pieces.items())
     return tuple(out), tuple(out_f)
 
 

@@ -3,8 +3,10 @@
 Built on :mod:`gradshard.analysis.dims`. First the *time axis* is inferred from the graph:
 the dimension class that scans (cumsum/cumprod/linear_scan), attention (the two sides of a
 ``q @ k^T`` score matrix, SDPA) and unrolled per-timestep loops (``select`` at successive
-indices) run along. Then a local rule per op gives how output step ``t`` reads its input's
-steps — an interval ``[lo, hi]`` of offsets — and intervals compose along the graph:
+indices) run along; a scan along the blocks of an axis reshaped into ``(T/c, c)`` counts for
+that axis, and a class holding an axis of the caller's inputs wins over one that holds none.
+Then a local rule per op gives how output step ``t`` reads its input's steps — an interval
+``[lo, hi]`` of offsets — and intervals compose along the graph:
 
 =====================  ======================================================
 pointwise, views       ``[0, 0]``
@@ -257,6 +259,7 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
     for cls, starts in slices.items():
         if len(starts) >= 3:
             evidence.setdefault(cls, []).append(f"chunked loop: slices at {len(starts)} offsets")
+    evidence = _credit_split_wholes(evidence, dims)
     if not evidence:
         raise NoTimeAxisError(
             "no time axis found: the graph has no scan (cumsum/cumprod/linear_scan), no attention "
@@ -264,8 +267,45 @@ def infer_time_class(gm: fx.GraphModule, dims: DimAnalysis, hint: tuple[int, int
             "recognisable axis.\n  instead: use plan='none', or pass time_axis=(input_index, dim) "
             "to gs.compile if the model does have a sequence dimension."
         )
-    best = max(evidence, key=lambda c: len(evidence[c]))
+    holds_input = _classes_with_input_axes(gm, dims)
+    # a class holding an axis of the caller's inputs first: one that holds none cannot give the
+    # inputs a time axis (SSD's in-block cumsums outnumber a hybrid's attention layers)
+    best = max(evidence, key=lambda c: (c in holds_input, len(evidence[c])))
     return best, {str(c): v for c, v in evidence.items()}
+
+
+def _credit_split_wholes(evidence: dict[int, list[str]], dims: DimAnalysis) -> dict[int, list[str]]:
+    """Count the evidence on the pieces of a split dim for the dim it was split from too.
+
+    A time axis reshaped into ``(T/c, c)`` blocks (Mamba-2's SSD) runs its cumsums along the
+    blocks, whose labels are fresh (:class:`gradshard.analysis.dim_core.SplitRecord`): a scan
+    along a block of an axis is a scan along that axis. Pieces of pieces count too; each piece
+    class once per whole.
+    """
+    children: dict[int, set[int]] = {}
+    for rec in dims.splits:
+        for w in {dims.canon(l) for l in rec.whole}:
+            children.setdefault(w, set()).update(dims.canon(l) for l, _ in rec.pieces)
+    out = {c: list(v) for c, v in evidence.items()}
+    for whole in children:
+        seen, stack = {whole}, list(children[whole])
+        while stack:
+            piece = stack.pop()
+            if piece in seen:
+                continue
+            seen.add(piece)
+            stack.extend(children.get(piece, ()))
+            out.setdefault(whole, []).extend(f"{why} (a block of this axis)" for why in evidence.get(piece, ()))
+        if not out.get(whole):
+            out.pop(whole, None)
+    return out
+
+
+def _classes_with_input_axes(gm: fx.GraphModule, dims: DimAnalysis) -> set[int]:
+    """Classes of the dims of the graph's user inputs (all placeholders when none is tagged)."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    user = [p for p in phs if str(p.meta.get("gs_input_name", "")).startswith("input")] or phs
+    return {dims.canon(l) for p in user for l in dims.input_labels.get(p.name, ())}
 
 
 # --------------------------------------------------------------------------- local rules
@@ -415,7 +455,9 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
     single = {a.name for a, i in timed if i.time_dims and _time_len(a, i) == 1 and out_len > 1}
     with_t = [(a, i) for a, i in timed if i.time_dims and a.name not in single]
     origin = with_t[0][1].origin if with_t else 0
-    length = _time_len(with_t[0][0], with_t[0][1]) if with_t else 1
+    # a time axis rebuilt from nodes without one (blocks merged back): element p reads the
+    # absolute steps they read, so its relative reach spans the whole output length
+    length = _time_len(with_t[0][0], with_t[0][1]) if with_t else out_len
     base: Reach | None = None
     abs_lo, abs_hi = INF, -INF
     for a, i in timed:
