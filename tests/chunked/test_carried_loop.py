@@ -116,12 +116,14 @@ def test_spaco_keeping_every_chunk_is_exact_and_a_sampled_backward_runs() -> Non
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_adjoint_refuses_the_loop_naming_its_line_and_advising_the_chunked_plans() -> None:
-    cm = gs.compile(PreUpdateReadout().double(), plan="adjoint", shard_size=4)
-    with pytest.raises(GradshardError, match="running maximum") as info:
-        cm(_x(d=5))
-    text = str(info.value)
-    assert "test_carried_loop.py" in text and "plan='seco'" in text
+@pytest.mark.parametrize("plan, opts", [("adjoint", {"shard_size": 4}), ("truncated_adjoint", {"shard_size": 4, "window": 64})])
+def test_adjoint_plans_regroup_the_max_driven_loop_exactly(plan: str, opts: dict) -> None:
+    """The running max is a driver (it reads no other carried value) and num/den are linear
+    given it: passes/recurrence_driven.py runs the max as a loop and num/den as one scan."""
+    torch.manual_seed(0)
+    cm = _assert_exact(PreUpdateReadout().double(), _x(d=5), plan, **opts)
+    notes = [n for r in cm.passes if r.name == "roll_driven_loops" for n in r.notes]
+    assert notes, [r.name for r in cm.passes]
 
 
 class FinalStateRNN(GatedTanhRNN):

@@ -14,6 +14,7 @@ from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
+from gradshard.passes.recurrence_driven import roll_driven_loops
 from gradshard.passes.roll_loops import roll_loops
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.adjoint.rewrite import rewrite_adjoint
@@ -28,6 +29,10 @@ PASSES = (
     rewrite_delta_rule_blocks,
     # 1. time axis and per-node reach: everything below reads ctx.analyses["time"].
     annotate_time_locality,
+    # 1b. a loop carrying linear states beside a driver (a running maximum: RWKV, mLSTM)
+    #     becomes a driver loop and one scan of the states; needs the time analysis (finds the
+    #     loops), before roll_loops (which rolls one carried state and would refuse it).
+    roll_driven_loops,
     # 2. roll unrolled per-timestep loops into one scan each; must precede detection (the
     #    detectors see scans, not T copies of a step) and recomputes the time analysis.
     roll_loops,
