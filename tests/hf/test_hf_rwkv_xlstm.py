@@ -6,7 +6,9 @@ and large inputs: ``tests/adjoint/test_hf_rwkv_adjoint.py``).
 
 xLSTM runs its step recurrence (``mlstm_recurrent_sequence_native``) for sequences shorter than
 its ``chunk_size``; the zoo's ``chunk_size=16`` runs whole 16-token blocks through a Python loop
-over blocks first, which no chunked plan cuts at 8 tokens (refused, ``test_xlstm_block_loop_*``).
+over blocks first, which ``rewrite_chunkwise_mlstm`` proves equal to the step recurrence and
+writes out step by step (``test_xlstm_block_loop_*``; every plan and T = 48:
+``tests/adjoint/test_hf_xlstm_chunkwise.py``).
 Both models compute part of their float64 forward in float32 (RWKV's ``key.float()``, xLSTM's
 float32 states): 1e-5 against eager, and exact to 1e-10 with those islands computed in float64
 (:class:`~tests.hf.zoo.Float64Everywhere`, slow).
@@ -15,8 +17,6 @@ float32 states): 1e-5 against eager, and exact to 1e-10 with those islands compu
 from __future__ import annotations
 
 import pytest
-
-from gradshard.errors import GradshardError
 
 from . import test_hf_plans
 from .test_hf_plans import _compare, _run_cell, _tolerance
@@ -67,14 +67,14 @@ def test_adjoint_plans_split_the_running_max_and_match_eager(family: str, plan: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", ["seco", "adjoint"])
-def test_xlstm_block_loop_is_refused_naming_its_running_max(plan: str) -> None:
-    """The zoo's xLSTM at T = 37 first runs two 16-token blocks through a loop over blocks: no
-    plan here rolls it, and the advice names only the plans that work."""
-    with pytest.raises(GradshardError, match="running maximum") as info:
-        _run_cell("xlstm", "eager", plan)
-    text = str(info.value)
-    assert "modeling_xlstm.py" in text and "runs along time" not in text
-    assert "plan='seco'" not in text and "plan='none'" in text
+def test_xlstm_block_loop_becomes_the_step_recurrence_and_matches_eager(plan: str) -> None:
+    """The zoo's xLSTM at T = 37 first runs two 16-token blocks through a loop over blocks: the
+    region (blocks and the 5-step tail) is proven equal to the step recurrence and rolled."""
+    model, config = build("xlstm", fp64_loss=False)
+    err, cm = _compare(model, config, plan)
+    assert err <= _tolerance("xlstm", "eager"), err
+    notes = [n for r in cm.passes if r.name == "rewrite_chunkwise_mlstm" for n in r.notes]
+    assert len(notes) == 2 and all("chunkwise mLSTM (37 steps" in n for n in notes), notes
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
+from gradshard.passes.recurrence_mlstm import rewrite_chunkwise_mlstm
 from gradshard.passes.recurrence_driven import roll_driven_loops
 from gradshard.passes.roll_loops import roll_loops
 from gradshard.passes.simplify_masks import simplify_attention_masks
@@ -27,6 +28,10 @@ PASSES = (
     # Before the time analysis: the blocked gated delta rule (time split over blocks, a solve
     # along the steps of a block) becomes one dense scan along time, which the analysis follows.
     rewrite_delta_rule_blocks,
+    # Before the time analysis too: xLSTM's chunkwise mLSTM (a loop over blocks with one stabiliser
+    # per block, outputs from a masked intra-block product) becomes its step recurrence, a loop
+    # carrying (C, n, m) that the loop rolling below handles (proven on the region first).
+    rewrite_chunkwise_mlstm,
     # 1. time axis and per-node reach: everything below reads ctx.analyses["time"].
     annotate_time_locality,
     # 1b. a loop carrying linear states beside a driver (a running maximum: RWKV, mLSTM)
