@@ -13,7 +13,9 @@ with ``gs.measure`` after a warm-up step that captures and compiles:
 - ``compile_budget``: the same with ``torch._functorch.config.activation_memory_budget=0.1``
   (AOTAutograd's partitioner recomputes activations to fit 10% of the saved bytes);
 - ``gs_none`` / ``gs_adjoint`` / ``gs_seco``: ``gs.compile(model, plan=..., inductor=True)``:
-  the segments the plan does not rewrite compiled by Inductor, regions as they are;
+  the segments the plan does not rewrite compiled by Inductor, and inside the regions what they
+  run per shard or chunk (adjoint: producer/readout/tail graphs; seco: runs of local nodes, with
+  each chunk's attention output kept for its backward);
 - ``gs_adjoint_eager`` / ``gs_seco_eager``: the same plans with ``inductor=False`` (what ran before);
 - ``backend_none`` / ``backend_adjoint`` / ``backend_seco``:
   ``torch.compile(model, backend=gs.backend(plan=...))``.

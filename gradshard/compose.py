@@ -31,15 +31,21 @@ plan serves by re-specialising gets its own composition); ``gs.backend`` compose
 graph by default (``inductor=False`` runs it eagerly). ``fallback_random`` is set, so random
 ops draw from the global generator as the eager graph does.
 
-Not compiled (run eagerly): region modules. Their per-shard / per-chunk work runs inside their
-own autograd.Functions: the producer and readout graphs and the scans of ``adjoint`` regions,
-the recomputed segments of ``tail_*`` regions, LASP's communicating modules. For
-``seco``/``spaco`` the region *is* the whole captured graph, run chunk by chunk by a
-demand-driven evaluator (:mod:`gradshard.plans.chunked.evaluate`): only the values hoisted out
-of it (masks, positions) and the getitems after it remain outside, so nothing is compiled
-there. Compiling a chunk is not done: each chunk reads a KV cache as long as the steps before
-it, so static-shape compiles would be one per chunk (a dynamic-shape trace of the evaluator's
-per-chunk work would be needed).
+Regions are not compiled as a whole: each runs its own autograd.Function (a Python loop over
+shards or chunks). What they run per shard is, with the same compiler: :func:`compose_graph`
+hands it to every region module that has ``use_graph_compiler`` (:mod:`gradshard.runtime.compiled`).
+``adjoint``/``truncated_adjoint`` regions compile their producer, readout and input-recompute
+graphs, ``tail_*`` regions their recomputed segment, each once per window length and input
+signature (forward without grad, backward recompute with grad), cached on the region; a graph
+the compiler refuses runs eagerly (logged). The scans between them run the kernels
+(:mod:`gradshard.kernels`). For ``seco``/``spaco`` the region *is* the whole captured graph,
+run chunk by chunk by a demand-driven evaluator (:mod:`gradshard.plans.chunked.evaluate`).
+Composed, it runs its runs of time-local nodes (norms, projections, RoPE, MLPs: everything
+between two attentions) as compiled groups, one variant per chunk width and grad mode
+(:mod:`gradshard.plans.chunked.groups`; the attention itself reads a KV cache as long as the
+steps before the chunk and stays a kernel call), and keeps each chunk's attention output for
+its backward instead of recomputing it (:class:`~gradshard.plans.chunked.attention.AttentionStash`:
+one activation per attention layer). LASP's communicating modules run as they are.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from .errors import GradshardError, node_error
+from .runtime.compiled import RegionGraphs, signature
 from .schedule import Program
 
 __all__ = ["Segment", "ComposedGraph", "SegmentCompiler", "compose_graph", "compile_with_inductor", "mark_program",
@@ -152,17 +159,6 @@ def _step_graph(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs: Sequence[f
     return fx.GraphModule(gm, g, class_name="GradshardStep")
 
 
-def _signature(args: Sequence[Any]) -> tuple:
-    """What a compiled variant is specific to: per input its layout and grad flag; the grad mode."""
-    sig: list[Any] = [torch.is_grad_enabled()]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
-        else:
-            sig.append(("value", a))
-    return tuple(sig)
-
-
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
     """Inductor through AOTAutograd (forward now, backward at the first backward).
 
@@ -197,7 +193,7 @@ class _CompiledStep:
         self.compile_seconds = 0.0
 
     def __call__(self, args: list[Any]) -> Sequence[Any]:
-        key = _signature(args)
+        key = signature(args)
         fn = self.variants.get(key)
         if fn is None:
             fn = self._compile(args)
@@ -283,14 +279,32 @@ class ComposedGraph:
         n = len(self.compiled_segments)
         lines = [f"compose: {n} segment(s) compiled by {self.compiler_name} (forward and backward), "
                  f"{self.compiled_variants} variant(s) compiled so far (forward compile {self.compile_seconds:.1f} s; "
-                 "each backward compiles at its first backward); regions run their own autograd.Functions eagerly"]
+                 "each backward compiles at its first backward); regions run their own autograd.Functions, "
+                 "their per-shard graphs compiled"]
+        by_name = {n.name: n for n in self.source.graph.nodes}
         for s in self.segments:
             what = {"compiled": self.compiler_name, "eager": "eager (nothing to compile)",
-                    "region": "region (not compiled: its own autograd.Function)",
+                    "region": "region (not compiled as a whole: its own autograd.Function)",
                     "opaque": "opaque module (not compiled)"}[s.kind]
             span = s.nodes[0] if len(s.nodes) == 1 else f"{s.nodes[0]} .. {s.nodes[-1]}"
             lines.append(f"  - {s.name}: {what}; {len(s.nodes)} node(s) [{span}]")
+            if s.kind == "region":
+                lines.extend(_region_lines(self.source.get_submodule(str(by_name[s.nodes[0]].target))))
         return "\n".join(lines)
+
+
+def _region_lines(module: Any) -> list[str]:
+    """What a region runs compiled (for :meth:`ComposedGraph.describe`)."""
+    lines = []
+    graphs = getattr(module, "graphs", None)
+    if isinstance(graphs, RegionGraphs):
+        lines.append(f"      per-shard graphs: {graphs.describe()}")
+    if getattr(module, "stash_attention", False):
+        lines.append("      attention outputs kept from the forward for the backward (not recomputed)")
+    groups = getattr(module, "compiled_groups", None)
+    if groups is not None and hasattr(groups, "describe") and getattr(module, "compiler", None) is not None:
+        lines.append(f"      per-chunk: {groups.describe()}")
+    return lines
 
 
 def compose_graph(gm: fx.GraphModule, compiler: SegmentCompiler | None = None) -> ComposedGraph:
@@ -321,6 +335,8 @@ def compose_graph(gm: fx.GraphModule, compiler: SegmentCompiler | None = None) -
                                            for u in n.users)]
         rec = Segment(name, kind, tuple(n.name for n in nodes), tuple(a.name for a in inputs),
                       tuple(o.name for o in outputs))
+        if kind == "region":
+            _hand_compiler_to_region(gm.get_submodule(str(nodes[0].target)), compiler)
         records.append(rec)
         make = _maker(gm, nodes, inputs, outputs)
         runners.append(_CompiledStep(rec, make, nodes[0], compiler, compiler_name) if kind == "compiled"
@@ -334,6 +350,14 @@ def compose_graph(gm: fx.GraphModule, compiler: SegmentCompiler | None = None) -
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return ComposedGraph(gm, records, runners, [tuple(f) for f in frees], placeholders, out_node.args[0],
                          compiler_name)
+
+
+def _hand_compiler_to_region(module: Any, compiler: SegmentCompiler) -> None:
+    """A region that runs graphs per shard or chunk compiles them with ``compiler`` too
+    (``use_graph_compiler``; :mod:`gradshard.runtime.compiled`); others run as they are."""
+    use = getattr(module, "use_graph_compiler", None)
+    if callable(use):
+        use(compiler)
 
 
 def _maker(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],

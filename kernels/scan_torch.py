@@ -41,25 +41,26 @@ def _time_view(x: torch.Tensor, start: int, n: int, chunk: int) -> torch.Tensor:
     return x[:, start:start + n * chunk].reshape(x.shape[0], n, chunk, *x.shape[2:])
 
 
-def _step(a: torch.Tensor, u: torch.Tensor, h: torch.Tensor, acc: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """One recurrence step ``a * h + u`` in ``acc``; written into ``out`` when given."""
-    if a.dtype != acc:
-        a = a.to(acc)
-    if u.dtype != acc:
-        u = u.to(acc)
-    if out is None:
-        return torch.addcmul(u, a, h)
-    if out.dtype == acc:
-        torch.addcmul(u, a, h, out=out)
-        return out
-    h = torch.addcmul(u, a, h)
-    out.copy_(h)
+def _steps_of(x: torch.Tensor, dim: int, order: range) -> list[torch.Tensor]:
+    """The slices of ``x`` along ``dim`` in ``order`` (one ``unbind``: no indexing op per step)."""
+    views = x.unbind(dim)
+    return [views[i] for i in order]
+
+
+def _recur(a: list[torch.Tensor], u: list[torch.Tensor], h: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
+    """``outs[k] = a[k] * outs[k-1] + u[k]`` from ``h``, written in place (one op per step); the last state."""
+    for ak, uk, ok in zip(a, u, outs):
+        h = torch.addcmul(uk, ak, h, out=ok)
     return h
 
 
-def _at_chunk_pos(x: torch.Tensor, i: int) -> torch.Tensor:
-    """Position ``i`` of every chunk: (b, n, C, *s) -> (b, n, *s)."""
-    return x[:, :, i]
+def _recur_cast(a: list[torch.Tensor], u: list[torch.Tensor], h: torch.Tensor, outs: list[torch.Tensor],
+                acc: torch.dtype) -> torch.Tensor:
+    """:func:`_recur` for outputs in another dtype than ``acc``: the state stays in ``acc``."""
+    for ak, uk, ok in zip(a, u, outs):
+        h = torch.addcmul(uk, ak, h)
+        ok.copy_(h)
+    return h
 
 
 def scan_torch(
@@ -75,6 +76,9 @@ def scan_torch(
     Forward: ``h_t = a_t h_{t-1} + u_t``; reverse: ``h_t = a_t h_{t+1} + u_t``. Accumulates in
     float32 for half inputs (float64 for float64) and returns ``h`` shaped like ``u`` in
     ``out_dtype`` (default: the accumulation dtype).
+
+    Every sequential step is one ``addcmul`` written in place (the per-step slices come from one
+    ``unbind``), so the Python cost is about one dispatch per step.
     """
     acc = accumulation_dtype(torch.promote_types(a.dtype, u.dtype))
     out_dtype = acc if out_dtype is None else out_dtype
@@ -85,35 +89,43 @@ def scan_torch(
         h.copy_(h0)
     if length == 0:
         return out
+    a = a if a.dtype == acc else a.to(acc)  # once, not per step
+    u = u if u.dtype == acc else u.to(acc)
     chunk = choose_chunk(length) if chunk is None else max(1, min(int(chunk), length))
     n, tail = divmod(length, chunk)
     main = tail if reverse else 0  # first time index covered by the chunks
-    at = lambda x, t: x[:, 0] if x.shape[1] == 1 else x[:, t]  # noqa: E731
+    recur = _recur if out_dtype == acc else (lambda a_, u_, h_, o_: _recur_cast(a_, u_, h_, o_, acc))
     if n > 0:
         av, uv = _time_view(a, main, n, chunk), _time_view(u, main, n, chunk)
         ov = out[:, main:main + n * chunk].view(batch, n, chunk, *state)  # a view: writes land in out
         steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
+        a_steps, u_steps = _steps_of(av, 2, steps), _steps_of(uv, 2, steps)
         if n == 1:
             starts = h.unsqueeze(1)
         else:
-            # Ping-pong between two buffers: no allocation per step (large CPU allocations page-fault).
-            bufs = torch.zeros((2, batch, n, *state), dtype=acc, device=u.device)
-            local = bufs[0]
-            for k, i in enumerate(steps):
-                local = _step(_at_chunk_pos(av, i), _at_chunk_pos(uv, i), local, acc, bufs[(k + 1) % 2])
-            prods = torch.prod(av.to(acc) if av.dtype != acc else av, dim=2)
+            # local pass: the recurrence from zero inside every chunk, ping-ponging two buffers
+            first, second = torch.zeros((2, batch, n, *state), dtype=acc, device=u.device).unbind(0)
+            local = _recur(a_steps, u_steps, first, ([second, first] * ((chunk + 1) // 2))[:chunk])
+            prods = torch.prod(av, dim=2)
             prods = prods.expand(prods.shape[0], n, *prods.shape[2:])
-            starts = torch.empty((batch, n, *state), dtype=acc, device=u.device)
-            for c in (range(n - 1, -1, -1) if reverse else range(n)):
-                starts[:, c] = h
-                h = torch.addcmul(local[:, c], prods[:, c], h)
-        cur = starts
-        for i in steps:
-            cur = _step(_at_chunk_pos(av, i), _at_chunk_pos(uv, i), cur, acc, _at_chunk_pos(ov, i))
+            # carry pass: carries[c] is the state entering chunk c (forward) / leaving it (reverse)
+            carries = torch.empty((batch, n + 1, *state), dtype=acc, device=u.device)
+            order = range(n - 1, -1, -1) if reverse else range(n)
+            cv = carries.unbind(1)
+            cv[n if reverse else 0].copy_(h)
+            _recur(_steps_of(prods, 1, order), _steps_of(local, 1, order), cv[n if reverse else 0],
+                   [cv[c] for c in order] if reverse else [cv[c + 1] for c in order])
+            starts = carries[:, 1:] if reverse else carries[:, :n]
+        # final pass: the recurrence inside every chunk from its incoming state, into out
+        o_steps = _steps_of(ov, 2, steps)
+        cur = recur(a_steps, u_steps, starts, o_steps)
         h = cur[:, 0] if reverse else cur[:, -1]
-    tail_steps = range(tail - 1, -1, -1) if reverse else range(n * chunk, length)
-    for t in tail_steps:
-        h = _step(at(a, t), at(u, t), h, acc, out[:, t])
+    if tail:
+        t0 = 0 if reverse else n * chunk
+        order = range(tail - 1, -1, -1) if reverse else range(tail)
+        a_t = a if a.shape[1] == 1 else a[:, t0:t0 + tail]
+        a_tail = [a_t[:, 0]] * tail if a.shape[1] == 1 else _steps_of(a_t, 1, order)
+        recur(a_tail, _steps_of(u[:, t0:t0 + tail], 1, order), h, _steps_of(out[:, t0:t0 + tail], 1, order))
     return out
 
 

@@ -1,2 +1,3 @@
 """Run-time machinery shared by several plans: point-to-point and collective communication
-with timeouts (``comm``) and the gradient/loss reductions built on it (``reduce``)."""
+with timeouts (``comm``), the gradient/loss reductions built on it (``reduce``), and the
+per-signature compile cache for the graphs regions run per shard (``compiled``)."""

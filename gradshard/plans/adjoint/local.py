@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
+from gradshard.runtime.compiled import GraphCompiler, RegionGraphs
 
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 
@@ -61,6 +62,17 @@ class LocalSegment(nn.Module):
         self.describe = describe
         self.costs = dict(costs or {})
         self._cache: dict[int, fx.GraphModule] = {}
+        #: the subgraph compiled per shard length (when the program is composed with Inductor)
+        self.graphs = RegionGraphs(name)
+
+    def use_graph_compiler(self, compiler: Optional[GraphCompiler]) -> None:
+        """Run the per-shard subgraph compiled by ``compiler`` (``None``: eagerly); see
+        :mod:`gradshard.runtime.compiled`. Called by :func:`gradshard.compose.compose_graph`."""
+        self.graphs.set_compiler(compiler)
+
+    def runner(self, length: int) -> Any:
+        """What runs the subgraph on ``length`` steps: the graph, or its compiled variants."""
+        return self.graphs.get(length, lambda: self.graph_for(length))
 
     def graph_for(self, length: int) -> fx.GraphModule:
         """The subgraph re-specialised to ``length`` steps (cached)."""
@@ -118,7 +130,7 @@ class LocalSegmentFunction(torch.autograd.Function):
         outputs: list[Optional[Tensor]] = [None] * len(seg.output_time_dims)
         with torch.no_grad():
             for s, e in seg.shards(T):
-                ys = _as_list(seg.graph_for(e - s)(*seg.window(inputs, s, e)))
+                ys = _as_list(seg.runner(e - s)(*seg.window(inputs, s, e)))
                 for i, (y, td) in enumerate(zip(ys, seg.output_time_dims)):
                     if outputs[i] is None:
                         shape = list(y.shape)
@@ -152,7 +164,7 @@ class LocalSegmentFunction(torch.autograd.Function):
                     w = x.narrow(d, s, e - s).detach().contiguous()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             with torch.enable_grad():
-                ys = _as_list(seg.graph_for(e - s)(*leaves))
+                ys = _as_list(seg.runner(e - s)(*leaves))
             pairs = [(y, g.narrow(td, s, e - s)) for y, g, td in zip(ys, grads, seg.output_time_dims)
                      if g is not None and isinstance(y, Tensor) and y.requires_grad]
             targets = [i for i, t in enumerate(leaves) if needs[i] and isinstance(t, Tensor) and t.requires_grad]

@@ -27,7 +27,10 @@ Backward, shards right to left; only one shard's graph is ever alive::
 
 The producer/readout graphs carry the captured length in their views; they are
 re-specialised per window length (:mod:`gradshard.plans.adjoint.respecialize`) and cached,
-so a region runs at any sequence length.
+so a region runs at any sequence length. When the program is composed with Inductor
+(:func:`gradshard.compose.compose_graph` calls ``use_graph_compiler``), every call of those
+graphs goes through :meth:`AdjointRegion.runner`: compiled once per window length and input
+signature (:mod:`gradshard.runtime.compiled`), the backward recompute's variant differentiable.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
+from gradshard.runtime.compiled import GraphCompiler, RegionGraphs
 
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from gradshard.plans.adjoint.scan import recurrence_for
@@ -190,8 +194,19 @@ class AdjointRegion(nn.Module):
         self.remats = {r.index: r for r, _ in remats}
         self.remat_graphs = nn.ModuleDict({f"input{r.index}": g for r, g in remats})
         self.n_extra = int(n_extra)
+        #: compiled producer/readout graphs (when the program is composed with Inductor)
+        self.graphs = RegionGraphs(name)
 
     # ---------------------------------------------------------------- graphs per length
+
+    def use_graph_compiler(self, compiler: Optional[GraphCompiler]) -> None:
+        """Run the per-shard graphs compiled by ``compiler`` (``None``: eagerly); see
+        :mod:`gradshard.runtime.compiled`. Called by :func:`gradshard.compose.compose_graph`."""
+        self.graphs.set_compiler(compiler)
+
+    def runner(self, which: str, length: int) -> Any:
+        """What runs graph ``which`` on ``length`` steps: the graph, or its compiled variants."""
+        return self.graphs.get((which, length), lambda: self.graph_for(which, length))
 
     def graph_for(self, which: str, length: int) -> fx.GraphModule:
         """The producer or readout graph re-specialised to ``length`` steps (cached)."""
@@ -230,7 +245,7 @@ class AdjointRegion(nn.Module):
         r = self.remats[index]
         leaves = [_narrow(extras[j], d, ws, we - ws) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
         with torch.no_grad():
-            out = self.graph_for(f"input{index}", we - ws)(*leaves)
+            out = self.runner(f"input{index}", we - ws)(*leaves)
         return (out[0] if isinstance(out, (tuple, list)) else out).detach()
 
     # ---------------------------------------------------------------- per-shard pieces
@@ -239,7 +254,7 @@ class AdjointRegion(nn.Module):
         """Producer outputs trimmed to ``[s, e)`` and the window inputs they were computed from."""
         ws, we = self.window_of(s, e, T)
         win = [_narrow(x, d, ws, we - ws) if d is not None else x for x, d in zip(inputs, self.io.input_time_dims)]
-        outs = self.graph_for("producer", we - ws)(*win)
+        outs = self.runner("producer", we - ws)(*win)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         return _trim_all(outs, self.io, s - ws, e - s), win
 
@@ -254,7 +269,7 @@ class AdjointRegion(nn.Module):
         return _uncanon(hc, self.scan.time_dim, self.scan.rank)
 
     def run_readout(self, h: Tensor, rs: Sequence[Tensor]) -> list[Tensor]:
-        out = self.graph_for("readout", int(h.shape[self.scan.time_dim]))(h, *rs)
+        out = self.runner("readout", int(h.shape[self.scan.time_dim]))(h, *rs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     # ---------------------------------------------------------------- stages
@@ -387,7 +402,7 @@ class AdjointFunction(torch.autograd.Function):
                     w = region.remat_window(i, extras, ws, we) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             with torch.enable_grad():
-                outs = region.graph_for("producer", we - ws)(*leaves)
+                outs = region.runner("producer", we - ws)(*leaves)
                 outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
                 prod = _trim_all(outs, io, s - ws, e - s)
             a, u, h0, rs = region.split(prod)

@@ -16,31 +16,85 @@ Grouped-query attention is native (key head ``h // n_rep`` serves query head ``h
 On CPU this uses ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``);
 elsewhere it falls back to ``F.scaled_dot_product_attention`` with an explicit
 bottom-right causal mask over the concatenated keys.
+
+*Stash* (:class:`AttentionStash`, used when the program is composed with Inductor): the
+forward keeps each chunk's merged ``o`` and ``l`` (one activation per attention layer,
+``B*H*T*(D+1)`` values), and the backward recompute of that chunk takes them instead of
+running the two flash forwards again; its flash backwards get the same ``o`` and ``l``
+(bit for bit: the same kernels on the same inputs), so the gradient is unchanged. The
+chunk evaluator names the slot (:func:`stash_slot`) around the attention node it computes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Any, Hashable, Iterator
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["prefix_attention", "prefix_attention_reference"]
+__all__ = ["prefix_attention", "prefix_attention_reference", "AttentionStash", "stash_slot"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
+def _prefix_forward(q: torch.Tensor, kp: torch.Tensor | None, vp: torch.Tensor | None, kc: torch.Tensor,
+                    vc: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged output ``o`` and log-sum-exp ``l`` (module doc)."""
+    oc, lc = _flash(q, kc, vc, 0.0, True, scale=scale)
+    if kp is None:
+        return oc, lc
+    op, lp = _flash(q, kp, vp, 0.0, False, scale=scale)
+    lse = torch.logaddexp(lp, lc)
+    w = torch.sigmoid(lp - lc).unsqueeze(-1).to(op.dtype)  # exp(lp - lse)
+    return oc + (op - oc) * w, lse
+
+
+class AttentionStash:
+    """Per chunk, the ``(o, l)`` the forward computed for each attention node and window."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def put(self, chunk: int, key: Hashable, o: torch.Tensor, lse: torch.Tensor) -> None:
+        self.chunks.setdefault(chunk, {})[key] = (o, lse)
+
+    def take(self, chunk: int, key: Hashable) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stashed pair, removed (each is used by one backward recompute)."""
+        return self.chunks.get(chunk, {}).pop(key, None)
+
+    def drop(self, chunk: int) -> None:
+        self.chunks.pop(chunk, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.chunks.values() for pair in c.values() for t in pair)
+
+
+_SLOT: contextvars.ContextVar[tuple[AttentionStash, int, Hashable] | None] = contextvars.ContextVar(
+    "gs_attention_stash_slot", default=None)
+
+
+@contextlib.contextmanager
+def stash_slot(stash: AttentionStash, chunk: int, key: Hashable) -> Iterator[None]:
+    """Inside: :func:`prefix_attention` stores (no grad) or reuses (grad) ``stash[chunk][key]``."""
+    token = _SLOT.set((stash, chunk, key))
+    try:
+        yield
+    finally:
+        _SLOT.reset(token)
+
+
 class _PrefixFlash(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kp, vp, kc, vc, scale):  # type: ignore[override]
-        oc, lc = _flash(q, kc, vc, 0.0, True, scale=scale)
-        if kp is None:
-            o, lse = oc, lc
-        else:
-            op, lp = _flash(q, kp, vp, 0.0, False, scale=scale)
-            lse = torch.logaddexp(lp, lc)
-            w = torch.sigmoid(lp - lc).unsqueeze(-1).to(op.dtype)  # exp(lp - lse)
-            o = oc + (op - oc) * w
+    def forward(ctx, q, kp, vp, kc, vc, scale, stashed=None):  # type: ignore[override]
+        if stashed is None:
+            o, lse = _prefix_forward(q, kp, vp, kc, vc, scale)
+        else:  # the forward's own values (module doc): a fresh tensor object, the same storage
+            o, lse = stashed[0].detach(), stashed[1]
         ctx.scale = scale
         ctx.has_past = kp is not None
         ctx.save_for_backward(q, kp if kp is not None else q.new_empty(0), vp if vp is not None else q.new_empty(0),
@@ -56,7 +110,7 @@ class _PrefixFlash(torch.autograd.Function):
         if ctx.has_past:
             dqp, dkp, dvp = _flash_bwd(do, q, kp, vp, o, lse, 0.0, False, scale=ctx.scale)
             dq = dq + dqp
-        return dq, dkp, dvp, dkc, dvc, None
+        return dq, dkp, dvp, dkc, dvc, None, None
 
 
 def _usable_flash(q: torch.Tensor, *rest: torch.Tensor | None) -> bool:
@@ -74,7 +128,15 @@ def prefix_attention(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch
     if k_past is not None and k_past.shape[-2] == 0:
         k_past = v_past = None
     if _usable_flash(q, k_past, v_past, k_cur, v_cur):
-        return _PrefixFlash.apply(q, k_past, v_past, k_cur, v_cur, scale)
+        slot = _SLOT.get()
+        if slot is None:
+            return _PrefixFlash.apply(q, k_past, v_past, k_cur, v_cur, scale)
+        stash, chunk, key = slot
+        if not torch.is_grad_enabled():  # the forward: keep what the backward recompute would redo
+            o, lse = _prefix_forward(q, k_past, v_past, k_cur, v_cur, scale)
+            stash.put(chunk, key, o, lse)
+            return o
+        return _PrefixFlash.apply(q, k_past, v_past, k_cur, v_cur, scale, stash.take(chunk, key))
     return prefix_attention_reference(q, k_past, v_past, k_cur, v_cur, scale)
 
 

@@ -17,6 +17,7 @@ handled here, the rest by the rules:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
+from gradshard.plans.chunked.attention import AttentionStash, stash_slot
 from gradshard.plans.chunked.frames import SKIP, Demand, is_empty
 
 __all__ = ["ChunkEvaluator", "NeedsCache", "FutureRead"]
@@ -46,7 +48,8 @@ class ChunkEvaluator:
 
     def __init__(self, program: Any, flat: list[Any], index: int, cache: Any, *,
                  grad_inputs: dict[int, torch.Tensor] | None = None,
-                 needs_grad: tuple[bool, ...] = (), dry: bool = False) -> None:
+                 needs_grad: tuple[bool, ...] = (), dry: bool = False,
+                 stash: AttentionStash | None = None, groups: dict[str, Any] | None = None) -> None:
         self.program = program
         self.flat = flat
         self.index = index
@@ -66,6 +69,10 @@ class ChunkEvaluator:
         self._asking: list[fx.Node] = []
         self._past_chain: list[fx.Node] = []
         self.cache_reads: list[tuple[str, int, int]] = []
+        #: attention outputs kept by the forward for the backward recompute (attention.py)
+        self.stash = stash
+        #: node name -> the compiled group running it (groups.py); None: node by node
+        self.groups = None if dry else groups
 
     # ---------------------------------------------------------------- inputs
 
@@ -127,6 +134,12 @@ class ChunkEvaluator:
 
     def _compute(self, node: fx.Node, demand: Demand) -> Any:
         prog = self.program
+        if self.groups is not None and node.name in self.groups and len(demand) == 1:
+            (lo, hi), = demand
+            if self.start <= lo and hi <= self.end:
+                out = self._compute_group(self.groups[node.name], node, demand)
+                if out is not None:
+                    return out
         rule = prog.rules[node.name]
         in_past = False
         if len(demand) == 1:
@@ -162,8 +175,11 @@ class ChunkEvaluator:
                 d = () if smap is None else tuple([m.apply(demand) for m in smap])
                 arg_demands.append(d)
                 vals.append(self.value(arg, d))
+            slot = (stash_slot(self.stash, self.index, (node.name, demand))
+                    if self.stash is not None and node.name in prog.attention else contextlib.nullcontext())
             try:
-                out = rule.run(node, vals, demand, arg_demands, self)
+                with slot:
+                    out = rule.run(node, vals, demand, arg_demands, self)
             except (GradshardError, NeedsCache):
                 raise
             except Exception as exc:
@@ -179,6 +195,28 @@ class ChunkEvaluator:
             self._asking.pop()
             if in_past:
                 self._past_chain.pop()
+
+    def _compute_group(self, runner: Any, node: fx.Node, demand: Demand) -> Any:
+        """``node`` and the other outputs of its group in one compiled call (``None``: it declined)."""
+        prog = self.program
+        group = runner.group
+        vals = [self.value(prog.nodes[a], demand if prog.rules[a].frame else ()) for a in group.inputs]
+        outs = runner(vals, demand)
+        if outs is None:
+            return None
+        mine = None
+        for name, out, internal in zip(group.outputs, outs, group.internal_uses):
+            self._remaining[name] = self._remaining.get(name, 0) - internal  # read inside: done
+            if name == node.name:
+                mine = out
+                continue
+            key = (name, demand)
+            if key not in self.memo:
+                self.memo[key] = out
+                self._keys.setdefault(name, []).append(key)
+        for a in group.input_reads:
+            self._release(prog.nodes[a])
+        return mine
 
     def _serve(self, node: fx.Node, lo: int, hi: int) -> torch.Tensor:
         spec = self.program.cache_points[node.name]

@@ -36,8 +36,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from gradshard.ir import Stage
+from gradshard.plans.chunked.attention import AttentionStash
 from gradshard.plans.chunked.cache import CacheSpec, CacheStore
 from gradshard.plans.chunked.evaluate import ChunkEvaluator, RecursionGuard
+from gradshard.plans.chunked.groups import GroupCache, GroupRunner, find_local_groups
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.reductions import Reduction
 from gradshard.plans.chunked.rules import AttentionSource, NodeRule
@@ -203,15 +205,18 @@ def sample_chunks(num_chunks: int, options: Any) -> Selection:
 # --------------------------------------------------------------------------- execution
 
 
-def run_forward(program: ChunkProgram, flat: list[torch.Tensor]) -> tuple[list[torch.Tensor], CacheStore, dict[str, Any]]:
-    """Chunked forward without grad: region outputs, the filled cache, loss denominators."""
+def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: AttentionStash | None = None,
+                groups: dict[str, Any] | None = None) -> tuple[list[torch.Tensor], CacheStore, dict[str, Any]]:
+    """Chunked forward without grad: region outputs, the filled cache, loss denominators
+    (and, given a ``stash``, each chunk's attention outputs for the backward; ``groups``:
+    compiled runs of local nodes, :mod:`gradshard.plans.chunked.groups`)."""
     cache = CacheStore(program.cache_points, program.bounds)
     pieces: dict[str, list[torch.Tensor]] = {o.name: [] for o in program.outputs if o.kind == "time"}
     nums: dict[str, Any] = {}
     dens: dict[str, Any] = {}
     with torch.no_grad(), RecursionGuard():
         for j in range(program.num_chunks):
-            ev = ChunkEvaluator(program, flat, j, cache)
+            ev = ChunkEvaluator(program, flat, j, cache, stash=stash, groups=groups)
             for o in program.outputs:
                 if o.kind == "time":
                     pieces[o.name].append(ev.chunk_value(o.name))
@@ -252,7 +257,7 @@ def _reduction_scale(red: Reduction, den: Any) -> Any:
 
 def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: Sequence[bool],
                  cache: CacheStore, dens: dict[str, Any], grads: Sequence[torch.Tensor | None],
-                 selection: Selection) -> list[torch.Tensor | None]:
+                 selection: Selection, stash: AttentionStash | None = None) -> list[torch.Tensor | None]:
     """Reverse chunk loop (module doc); returns one gradient per flat input."""
     program = region.program
     flat = list(flat)
@@ -263,11 +268,14 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
     for j in reversed(range(program.num_chunks)):
         if not selection.selected[j]:
             cache.drop_chunk(j)
+            if stash is not None:
+                stash.drop(j)
             region.stats["skipped_chunks"] += 1
             continue
         f = selection.factors[j]
         cache.begin_chunk(j)
-        ev = ChunkEvaluator(program, flat, j, cache, grad_inputs=leaves, needs_grad=tuple(needs))
+        ev = ChunkEvaluator(program, flat, j, cache, grad_inputs=leaves, needs_grad=tuple(needs), stash=stash,
+                            groups=region.group_runners())
         outs: list[torch.Tensor] = []
         cots: list[torch.Tensor] = []
         with torch.enable_grad(), RecursionGuard():
@@ -314,6 +322,8 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
         for key, leaf in cache_leaves:
             cache.accumulate(key, leaf.grad)
         cache.drop_chunk(j)
+        if stash is not None:
+            stash.drop(j)
         del ev, outs, cots, pairs
     for i, leaf in leaves.items():
         out_grads[i] = leaf.grad
@@ -328,10 +338,12 @@ class _ChunkedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region, *flat):  # type: ignore[override]
         program = region.program
-        results, cache, dens = run_forward(program, list(flat))
+        stash = AttentionStash() if region.stash_attention and any(ctx.needs_input_grad[1:]) else None
+        results, cache, dens = run_forward(program, list(flat), stash, region.group_runners())
         region.stats["forward_calls"] += 1
         ctx.region = region
         ctx.cache = cache
+        ctx.stash = stash
         ctx.dens = dens
         ctx.save_for_backward(*flat)
         ctx.set_materialize_grads(False)
@@ -351,8 +363,8 @@ class _ChunkedFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         selection = region.select()
         region.last_selection = selection
-        out = run_backward(region, flat, needs, ctx.cache, ctx.dens, grads, selection)
-        ctx.cache = None
+        out = run_backward(region, flat, needs, ctx.cache, ctx.dens, grads, selection, ctx.stash)
+        ctx.cache = ctx.stash = None
         return (None, *out)
 
 
@@ -374,6 +386,35 @@ class ChunkedRegion(nn.Module):
         self.region_name = name
         self.stats: dict[str, int] = {"forward_calls": 0, "backward_chunks": 0, "skipped_chunks": 0}
         self.last_selection: Selection | None = None
+        #: keep each chunk's attention outputs for its backward recompute (attention.py's
+        #: stash): on when the program is composed with Inductor (``use_graph_compiler``)
+        self.stash_attention = False
+        self.compiler: Any = None
+        self._groups = GroupCache()
+
+    def use_graph_compiler(self, compiler: Any) -> None:
+        """Composed with a compiler (:func:`gradshard.compose.compose_graph`): run the groups of
+        local nodes compiled (:mod:`gradshard.plans.chunked.groups`), and trade one activation per
+        attention layer for not running the attention forward again in the backward."""
+        self.stash_attention = compiler is not None
+        if compiler is not self.compiler:
+            self.compiler = compiler
+            self._groups = GroupCache()
+
+    def group_runners(self) -> dict[str, GroupRunner] | None:
+        """Node name -> the compiled group that runs it (built at first use); None without a compiler."""
+        if self.compiler is None:
+            return None
+        if self._groups.by_node is None:
+            self._groups.fill([GroupRunner(self.program, g, self.compiler, self.region_name)
+                               for g in find_local_groups(self.program)])
+        return self._groups.by_node
+
+    @property
+    def compiled_groups(self) -> GroupCache:
+        """The compiled groups of local nodes (``describe()``, counts)."""
+        return self._groups
+
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _ChunkedFunction.apply(self, *flat)

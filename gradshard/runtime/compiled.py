@@ -1,0 +1,165 @@
+"""Graphs a region runs many times (per shard, per chunk), compiled once per input signature.
+
+A region module (``adjoint_*``, ``tail_*``, ...) runs small fx graphs -- its producer and
+readout, a recomputed segment -- once per shard in the forward and again in the backward.
+Run eagerly, every op is a Python-level dispatch; on a GPU every op a kernel launch. When the
+rest of the program is compiled by Inductor (``gs.compile(..., inductor=True)``,
+``gs.backend``), :mod:`gradshard.compose` hands the same compiler to the regions
+(``use_graph_compiler``), and they run those graphs through :class:`RegionGraphs`:
+
+* one :class:`GraphVariants` per graph (e.g. ``("producer", 512)``: the producer
+  re-specialised to a 512-step window); a region sees two or three window lengths (full
+  shards, the ragged last one, the first shard without a left halo);
+* a variant per input *signature* (:func:`signature`: per tensor its shape, strides, dtype,
+  device and ``requires_grad``; the grad mode), compiled at its first call with that call's
+  inputs and kept: a forward shard (no grad) and a backward recompute (grad) are two
+  variants, each compiled once. The compiler (by default ``compile_fx``: AOTAutograd, then
+  Inductor) returns a differentiable callable, so ``torch.autograd.grad`` through a compiled
+  backward recompute works as through the eager graph;
+* a compile failure is logged once and that variant runs the eager graph: the compiled
+  path is an optimisation, never a different gradient;
+* at most :data:`MAX_GRAPHS` graphs per region are compiled: a model called at ever new
+  lengths (a new ragged last shard each time) runs the graphs past that eagerly instead of
+  compiling at every step (logged once).
+
+With no compiler set the region runs its graphs eagerly, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from gradshard.pipeline import copy_graph
+
+__all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "MAX_GRAPHS"]
+
+#: ``compiler(gm, example_inputs) -> callable`` taking the graph's inputs unboxed (the
+#: ``SegmentCompiler`` protocol of :mod:`gradshard.compose`).
+GraphCompiler = Callable[[fx.GraphModule, list], Callable[..., Any]]
+
+log = logging.getLogger("gradshard")
+
+#: graphs (graph x window length) a region compiles at most; later ones run eagerly
+MAX_GRAPHS = 24
+
+
+def signature(args: Sequence[Any]) -> tuple:
+    """What a compiled variant is specific to: per input its layout and grad flag; the grad mode."""
+    sig: list[Any] = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
+        else:
+            sig.append(("value", a))
+    return tuple(sig)
+
+
+def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph (compilers may change the graph they are given)."""
+    return fx.GraphModule(gm, copy_graph(gm), class_name=type(gm).__name__)
+
+
+class GraphVariants:
+    """One graph, compiled per input signature at first use (eager fallback if that fails)."""
+
+    def __init__(self, gm: fx.GraphModule, compiler: GraphCompiler, name: str) -> None:
+        self.gm = gm
+        self.compiler = compiler
+        self.name = name
+        self.variants: dict[tuple, Callable[..., Any]] = {}
+        self.compile_seconds = 0.0
+        self.failures = 0
+
+    def __call__(self, *args: Any) -> Any:
+        key = signature(args)
+        fn = self.variants.get(key)
+        if fn is None:
+            fn = self._compile(list(args))
+            self.variants[key] = fn
+        return fn(*args)
+
+    def _compile(self, args: list[Any]) -> Callable[..., Any]:
+        t0 = time.perf_counter()
+        try:
+            fn = self.compiler(fresh_copy(self.gm), args)
+        except Exception as exc:  # noqa: BLE001 - the eager graph computes the same values
+            self.failures += 1
+            log.warning("gradshard: could not compile %s (%s: %s); running it eagerly", self.name,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return self.gm
+        self.compile_seconds += time.perf_counter() - t0
+        log.info("gradshard: compiled %s in %.1f s", self.name, time.perf_counter() - t0)
+        return fn
+
+
+class RegionGraphs:
+    """A region's compiled graphs by key; :meth:`get` returns the graph itself without a compiler."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.compiler: Optional[GraphCompiler] = None
+        self._graphs: dict[Hashable, GraphVariants] = {}
+        self.capped = False  # MAX_GRAPHS reached: later graphs run eagerly
+
+    def set_compiler(self, compiler: Optional[GraphCompiler]) -> None:
+        """Use ``compiler`` from now on (``None``: run eagerly); a new compiler starts a new cache."""
+        if compiler is not self.compiler:
+            self.compiler = compiler
+            self._graphs.clear()
+            self.capped = False
+
+    def get(self, key: Hashable, gm: Callable[[], fx.GraphModule]) -> Callable[..., Any]:
+        """The callable running graph ``key`` (``gm()`` builds it; called once per key)."""
+        if self.compiler is None:
+            return gm()
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                if not self.capped:
+                    log.warning("gradshard: %s compiled %d graphs (window lengths); %s and later ones run eagerly",
+                                self.owner, MAX_GRAPHS, _key_name(key))
+                self.capped = True
+                return gm()
+            g = GraphVariants(gm(), self.compiler, f"{self.owner}:{_key_name(key)}")
+            self._graphs[key] = g
+        return g
+
+    @property
+    def compiled_variants(self) -> int:
+        return sum(len(g.variants) for g in self._graphs.values())
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(g.compile_seconds for g in self._graphs.values())
+
+    @property
+    def failures(self) -> int:
+        return sum(g.failures for g in self._graphs.values())
+
+    def describe(self) -> str:
+        """One line for ``explain()``."""
+        if self.compiler is None:
+            return f"{self.owner}: graphs run eagerly"
+        name = getattr(self.compiler, "display_name", getattr(self.compiler, "__name__", "compiler"))
+        text = (f"{self.owner}: {len(self._graphs)} graph(s), {self.compiled_variants} variant(s) compiled by "
+                f"{name} ({self.compile_seconds:.1f} s)")
+        text += f", {self.failures} left eager (compile failed)" if self.failures else ""
+        return text + (f"; more than {MAX_GRAPHS} graphs: the rest run eagerly" if self.capped else "")
+
+    # compiled code is process-local: copies and pickles start with an empty cache
+    def __deepcopy__(self, memo: dict) -> "RegionGraphs":
+        new = RegionGraphs(self.owner)
+        new.compiler = self.compiler
+        return new
+
+    def __getstate__(self) -> dict:
+        return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False}
+
+
+def _key_name(key: Hashable) -> str:
+    return "_".join(str(k) for k in key) if isinstance(key, tuple) else str(key)

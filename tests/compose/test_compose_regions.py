@@ -1,0 +1,194 @@
+"""Composed with a compiler, regions compile what they run per shard (issue 19 point 2).
+
+``adjoint``/``tail`` regions compile their producer, readout and recomputed graphs once per
+window length and input signature, cached on the region; a compile failure leaves that graph
+eager; gradients stay exact (float64, against plain autograd). ``seco`` keeps each chunk's
+attention output for its backward instead of recomputing it. Most tests use ``aot_eager``
+(AOTAutograd without code generation: the same compiled-function boundaries as Inductor);
+one runs Inductor itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch._dynamo.backends.debugging import aot_eager
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradshard as gs
+from gradshard.examples import factories
+from gradshard.plans.adjoint.local import LocalSegment
+from gradshard.plans.adjoint.runtime import AdjointRegion
+from gradshard.plans.chunked.runtime import ChunkedRegion
+from gradshard.runtime.compiled import GraphVariants, RegionGraphs
+from tests.adjoint.models import DiagonalSSM, init_like_training
+
+from .helpers import assert_exact, composed
+
+_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _regions(cm: gs.CompiledModule, kind: type) -> list:
+    return [m for m in cm.graph.modules() if isinstance(m, kind)]
+
+
+def _x(batch: int, T: int, d: int, seed: int = 1) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(batch, T, d, dtype=torch.float64)
+
+
+def _step(cm: gs.CompiledModule, x: torch.Tensor) -> None:
+    cm(x).square().sum().backward()
+
+
+def test_adjoint_regions_compile_their_graphs_once_per_length_and_mode() -> None:
+    # conv: a halo of 2 steps, so the first window is shorter than the others; T=11, shard 4: a ragged last shard
+    model = init_like_training(DiagonalSSM(d=6, n=3, heads=2, conv=True, h0=True, scan="gradshard"))
+    x = _x(2, 11, 6)
+    cm = assert_exact(model, (x,), "adjoint", compiler=aot_eager, shard_size=4)
+    regions = _regions(cm, AdjointRegion)
+    assert regions and all(r.graphs.compiler is aot_eager for r in regions)
+    for r in regions:
+        keys = set(r.graphs._graphs)
+        assert ("producer", 4 + r.io.halo[0]) in keys or ("producer", 4) in keys
+        assert ("readout", 4) in keys and ("readout", 3) in keys  # full and ragged shards
+        # forward (no grad) and backward recompute (grad) of each graph, and for the readout the
+        # layouts of its trimmed inputs (the first window has no left halo): at most four variants
+        assert all(1 <= len(g.variants) <= 4 for g in r.graphs._graphs.values())
+        assert all(len(g.variants) <= 2 for k, g in r.graphs._graphs.items() if k[0] == "producer")
+        assert r.graphs.failures == 0
+    before = [r.graphs.compiled_variants for r in regions]
+    for _ in range(2):  # later steps run the cached variants: nothing compiles again
+        _step(cm, x.clone().requires_grad_())
+    assert [r.graphs.compiled_variants for r in regions] == before
+    assert "per-shard graphs: adjoint_0: " in cm.explain()
+
+
+def test_tail_segments_compile_their_shards_too() -> None:
+    model, (ids,) = factories.ssm(n_layers=2, seq_len=13, batch=2, dtype=torch.float64)
+    cm = assert_exact(model, (ids,), "adjoint", compiler=aot_eager, shard_size=4)
+    tails = _regions(cm, LocalSegment)
+    assert tails, "the example SSM's final norm and head run as a tail segment"
+    for t in tails:
+        assert t.graphs.compiled_variants >= 2 and set(t.graphs._graphs) == {4, 1}
+
+
+def test_without_a_compiler_regions_run_their_graphs_eagerly() -> None:
+    model = init_like_training(DiagonalSSM(d=6, n=3, conv=True, scan="gradshard"))
+    cm = gs.compile(model, plan="adjoint", shard_size=4)  # inductor=False
+    _step(cm, _x(1, 9, 6).requires_grad_())
+    for r in _regions(cm, AdjointRegion):
+        assert r.graphs.compiler is None and not r.graphs._graphs
+        assert isinstance(r.runner("producer", 4), torch.fx.GraphModule)
+
+
+def test_a_graph_the_compiler_refuses_runs_eagerly_and_stays_exact(caplog) -> None:
+    def segments_only(gm: torch.fx.GraphModule, example_inputs: list):
+        if type(gm).__name__ != "GradshardStep":  # composed segments; region graphs keep their class
+            raise RuntimeError("no kernel for this op")
+        return aot_eager(gm, example_inputs)
+
+    segments_only.display_name = "aot_eager"
+    model, (ids,) = factories.ssm(n_layers=1, seq_len=11, batch=1, dtype=torch.float64)
+    with caplog.at_level("WARNING", logger="gradshard"):
+        cm = assert_exact(model, (ids,), "adjoint", compiler=segments_only, shard_size=4)
+    (region,) = _regions(cm, AdjointRegion)
+    assert region.graphs.failures > 0 and region.graphs.compiled_variants == region.graphs.failures
+    assert any("could not compile adjoint_0:producer" in r.getMessage() and "no kernel for this op" in r.getMessage()
+               for r in caplog.records)
+    assert "left eager (compile failed)" in cm.explain()
+
+
+def test_variants_follow_the_signature_and_copies_start_empty() -> None:
+    calls = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list):
+        calls.append(tuple(x.shape for x in example_inputs if isinstance(x, torch.Tensor)))
+        return gm
+
+    g = torch.fx.symbolic_trace(lambda a, b: (a * b + 1,))
+    graphs = RegionGraphs("r")
+    assert graphs.get("k", lambda: g) is g  # no compiler: the graph itself
+    graphs.set_compiler(counting)
+    run = graphs.get("k", lambda: g)
+    assert isinstance(run, GraphVariants) and graphs.get("k", lambda: g) is run
+    a, b = torch.randn(3), torch.randn(3)
+    run(a, b)
+    run(a, b)
+    assert len(calls) == 1
+    run(torch.randn(4), torch.randn(4))  # another shape
+    with torch.no_grad():
+        run(a, b)  # another grad mode
+    run(a.requires_grad_(), b)  # another requires_grad flag
+    assert len(calls) == 4 and graphs.compiled_variants == 4
+    clone = copy.deepcopy(graphs)
+    assert clone.compiler is counting and clone.compiled_variants == 0
+    graphs.set_compiler(None)
+    assert graphs.compiled_variants == 0 and graphs.get("k", lambda: g) is g
+
+
+def test_a_region_called_at_ever_new_lengths_stops_compiling(monkeypatch) -> None:
+    import gradshard.runtime.compiled as compiled
+
+    monkeypatch.setattr(compiled, "MAX_GRAPHS", 2)
+    g = torch.fx.symbolic_trace(lambda a: (a + 1,))
+    graphs = RegionGraphs("r")
+    graphs.set_compiler(lambda gm, example_inputs: gm)
+    assert isinstance(graphs.get(("producer", 4), lambda: g), GraphVariants)
+    assert isinstance(graphs.get(("producer", 3), lambda: g), GraphVariants)
+    assert graphs.get(("producer", 5), lambda: g) is g  # the third length runs eagerly
+    assert graphs.capped and "the rest run eagerly" in graphs.describe()
+    assert isinstance(graphs.get(("producer", 4), lambda: g), GraphVariants)  # known ones stay compiled
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def _flash_forwards_in_backward(cm: gs.CompiledModule, ids: torch.Tensor) -> int:
+    loss = cm(ids).square().sum()
+    with _CountOps(_FLASH_FWD) as mode:
+        loss.backward()
+    return mode.count
+
+
+def test_seco_compiles_local_groups_keeps_attention_outputs_and_stays_exact() -> None:
+    model, (ids,) = factories.llama(n_layers=2, seq_len=13, batch=2, dtype=torch.float64)
+    eager = gs.compile(copy.deepcopy(model), plan="seco", chunk_size=5)
+    assert _flash_forwards_in_backward(eager, ids) > 0  # recomputed without a compiler
+    (plain,) = _regions(eager, ChunkedRegion)
+    assert plain.group_runners() is None and not plain.stash_attention
+    cm = assert_exact(model, (ids,), "seco", compiler=aot_eager, chunk_size=5)
+    (region,) = _regions(cm, ChunkedRegion)
+    assert region.stash_attention
+    groups = region.compiled_groups
+    # one group per layer boundary (post-attention block + next pre-attention block) and the ends
+    assert len(groups.runners) >= 3 and groups.failures == 0
+    assert sum(len(r.group.members) for r in groups.runners) > len(region.program.rules) // 2
+    # chunk widths 5 and 3 (13 = 5 + 5 + 3), forward and backward recompute: at most 4 variants a group
+    assert all(1 <= len(r.variants) <= 4 for r in groups.runners)
+    before = groups.compiled_variants
+    assert _flash_forwards_in_backward(cm, ids) == 0  # taken from the forward
+    assert groups.compiled_variants == before  # the second step compiles nothing
+    text = cm.explain()
+    assert "attention outputs kept from the forward" in text and "group(s) of local nodes" in text
+    with torch.no_grad():  # no backward to serve: nothing is kept
+        assert not cm(ids).requires_grad
+
+
+def test_inductor_compiles_region_graphs_exactly() -> None:
+    model, (ids,) = factories.ssm(n_layers=1, seq_len=9, batch=1, dtype=torch.float64)
+    cm = assert_exact(model, (ids,), "adjoint", shard_size=4)
+    (region,) = _regions(cm, AdjointRegion)
+    assert region.graphs.compiled_variants > 0 and region.graphs.failures == 0
+    assert "compiled by Inductor" in region.graphs.describe()
+    for g in region.graphs._graphs.values():  # every variant is compiled code, not the graph
+        assert all(fn is not g.gm and not isinstance(fn, torch.fx.GraphModule) for fn in g.variants.values())
