@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,3 +161,29 @@ def test_recurrent_variants(factory: str, overrides: dict) -> None:
 
     model, (ids,) = getattr(factories, factory)(seq_len=13, batch=2, dtype=torch.float64, **overrides)
     _check_module(model, (ids,), chunk=4)
+
+
+class _WithUnusedParameter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(torch.tanh(self.used(x)), 1)
+
+
+@pytest.mark.parametrize("plan", ["seco", "spaco"])
+def test_unused_parameter_keeps_grad_none_and_the_rest_is_exact(plan: str) -> None:
+    """A parameter no node reads has no chunk rule: it gets no gradient (as in eager), the others
+    are exact (it used to raise KeyError in the backward)."""
+    torch.manual_seed(0)
+    model = _WithUnusedParameter().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 11, 4, dtype=torch.float64)
+    opts = {"chunk_size": 4} if plan == "seco" else {"chunk_size": 4, "budget": 100}
+    gs.compile(model, plan=plan, **opts)(x).sum().backward()
+    ref(x).sum().backward()
+    assert model.unused.weight.grad is None and ref.unused.weight.grad is None
+    for p, q in zip(model.used.parameters(), ref.used.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12)

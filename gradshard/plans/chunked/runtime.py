@@ -261,8 +261,11 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
     """Reverse chunk loop (module doc); returns one gradient per flat input."""
     program = region.program
     flat = list(flat)
+    # An input with no rule is read by no node (an unused parameter): no leaf, its gradient None
+    # (as eager autograd leaves it).
+    rules = {i: program.rules.get(_flat_name(program, i)) for i in range(len(flat))}
     leaves = {i: flat[i].detach().requires_grad_() for i, need in enumerate(needs)
-              if need and not program.rules[_flat_name(program, i)].frame}
+              if need and rules[i] is not None and not rules[i].frame}
     out_grads: list[torch.Tensor | None] = [None] * len(flat)
     cache.begin_backward()
     for j in reversed(range(program.num_chunks)):
