@@ -15,8 +15,9 @@ output or the LM loss, backward). For each step it records
   first step keeps resident (graphs, caches, compiled code);
 - its wall time.
 
-A second table times ``cm.specialize(inputs)`` -- capture on fake tensors plus the plan's
-passes, no real forward -- at T = 1K ... 64K. Results go to the "First step (issue 17)"
+A second table times ``cm.compile_first(inputs)`` -- what the first call compiles: capture on
+fake tensors (at the probe length for plans that serve longer calls from it), the plan's
+passes, the re-specialisation; no real forward -- at T = 1K ... 64K. Results go to the "First step (issue 17)"
 section of ``RESULTS.md``.
 """
 
@@ -138,20 +139,23 @@ def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]
 
 
 def time_specialize(name: str, plan: str, T: int) -> dict[str, Any]:
-    """Seconds and allocator peak of capture + passes (``cm.specialize``) at length ``T``."""
+    """Seconds and allocator peak of what a first call compiles at length ``T``
+    (``cm.compile_first``: capture -- at the probe length for plans that serve other lengths
+    from it -- passes, and the serving re-specialisation; no real forward)."""
     import gradshard as gs
     from gradshard.measure import CpuAllocatorTrace
 
     model, call = _build(name, T)
     cm = gs.compile(model, plan=plan, **PLAN_OPTIONS[plan])
     kwargs = {k: v for k, v in call.items() if k != "args"}
-    cm.specialize(call.get("args", ()), kwargs)  # warm: imports, op registrations
+    cm.compile_first(call.get("args", ()), kwargs)  # warm: imports, op registrations
     model, call = _build(name, T)
     cm = gs.compile(model, plan=plan, **PLAN_OPTIONS[plan])
     t0 = time.perf_counter()
     with CpuAllocatorTrace() as trace:
-        cm.specialize(call.get("args", ()), {k: v for k, v in call.items() if k != "args"})
-    return {"model": name, "plan": plan, "T": T, "seconds": time.perf_counter() - t0, "peak": trace.peak_bytes}
+        entry = cm.compile_first(call.get("args", ()), {k: v for k, v in call.items() if k != "args"})
+    return {"model": name, "plan": plan, "T": T, "seconds": time.perf_counter() - t0, "peak": trace.peak_bytes,
+            "served_from": entry.extras.get("respecialized_from")}
 
 
 def _in_worker(fn: Any, *args: Any) -> dict[str, Any]:
@@ -213,8 +217,10 @@ def report(cells: list[dict[str, Any]], captures: list[dict[str, Any]]) -> str:
         "runs the same model and plan once at T=64, so library start-up (imports, op registration, the "
         "profiler's buffers) is not counted.",
         first_step_table(cells),
-        "Capture + passes (`cm.specialize`, fake tensors, no real forward), after a warm-up "
-        "specialisation in the same process; seconds and allocator peak:",
+        "What a first call compiles (`cm.compile_first`: capture on fake tensors -- at the 67-step probe "
+        "for the plans that serve longer calls from it (adjoint, truncated_adjoint, seco, spaco) -- the "
+        "plan's passes, and the re-specialisation to T; no real forward), after a warm-up compile in the "
+        "same process; seconds and allocator peak:",
         capture_table(captures),
     ])
 

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -80,9 +81,12 @@ Specializer = Callable[["CompiledModule", tuple, dict], "CompiledGraph | None"]
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, options: dict[str, Any],
                   *, captured: Captured | None = None, time_axis: tuple[int, int] | None = None,
-                  backend: str | None = None,
-                  progress: Callable[[str], None] | None = None) -> CompiledGraph:
-    """Run ``plan``'s pipeline on an aten graph and schedule the result."""
+                  backend: str | None = None, progress: Callable[[str], None] | None = None,
+                  stop_after: str | None = None) -> CompiledGraph:
+    """Run ``plan``'s pipeline on an aten graph and schedule the result.
+
+    ``stop_after``: run the passes up to and including this one only, and leave the result
+    unscheduled (a probe a specialiser serves other lengths from; ``PlanSpec.probe_until``)."""
     spec = get_plan(plan)
     opts = spec.make_options(**options)
     ctx = PassContext(plan=plan, options=opts, example_inputs=example_inputs, captured=captured,
@@ -90,9 +94,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
     original = fx.GraphModule(gm, gm.graph)  # shares the graph; passes build new graphs
     original.graph = copy_graph(gm)
     prepared = _prepare(spec, gm, ctx)
-    out_gm, records = run_passes(gm, spec.pipeline(), ctx, progress)
+    passes = spec.pipeline()
+    if stop_after is not None:
+        passes = passes[: [p.name for p in passes].index(stop_after) + 1]
+    out_gm, records = run_passes(gm, passes, ctx, progress)
     records = [*prepared, *records]
-    program = build_program(out_gm)
+    program = build_program(out_gm) if stop_after is None else Program((), nx.DiGraph())
     return CompiledGraph(plan, opts, original, out_gm, program, tuple(ctx.regions), tuple(records), ctx, captured)
 
 
@@ -139,8 +146,14 @@ class CompiledModule(nn.Module):
         else:
             self._fn = target
         self._cache: OrderedDict[tuple, CompiledGraph] = OrderedDict()
+        #: probes compiled only through the plan's length-generic passes (``PlanSpec.probe_until``):
+        #: kept for its specialiser to serve other lengths from, never run
+        self._probes: OrderedDict[tuple, CompiledGraph] = OrderedDict()
         self._last: CompiledGraph | None = None
         self._specializers: list[Specializer] = []
+        self._plan_serve = spec.serve
+        if spec.serve is not None:
+            self._specializers.append(spec.serve)
 
     # ---------------------------------------------------------------- calling
 
@@ -162,16 +175,25 @@ class CompiledModule(nn.Module):
     def compiled_for(self, *args: Any, **kwargs: Any) -> CompiledGraph:
         """The specialisation for this input signature: cached, served by a registered
         specialiser (e.g. the adjoint plan's new-length server), or captured and compiled."""
+        return self.compile_first(args, kwargs)
+
+    def compile_first(self, args: tuple, kwargs: dict | None = None, *,
+                      real_values: Mapping[int, torch.Tensor] | None = None) -> CompiledGraph:
+        """What a call with ``args``/``kwargs`` compiles (cached entry, served entry, a compile at
+        the plan's probe length then served, or a capture at these inputs), with ``real_values``
+        as in :meth:`specialize` (the cost model prices a first step on fake tensors with it)."""
+        kwargs = kwargs or {}
         key = self._key(args, kwargs)
         entry = self._cache.get(key)
         if entry is not None:
             self._cache.move_to_end(key)
         else:
             entry = self._serve(key, args, kwargs)
-            if entry is None and self._compile_probe(args, kwargs):
+            if entry is None and (self._compile_probe(args, kwargs, real_values) if real_values
+                                  else self._compile_probe(args, kwargs)):
                 entry = self._serve(key, args, kwargs)
             if entry is None:
-                entry = self.specialize(args, kwargs)
+                entry = self.specialize(args, kwargs, real_values=real_values)
         if self.inductor:
             entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
@@ -189,15 +211,18 @@ class CompiledModule(nn.Module):
                 return entry
         return None
 
-    def _compile_probe(self, args: tuple, kwargs: dict) -> bool:
+    def _compile_probe(self, args: tuple, kwargs: dict,
+                       real_values: Mapping[int, torch.Tensor] | None = None) -> bool:
         """On the first call of a plan with a ``probe_length`` (a program its specialiser serves
         at other lengths), when every input of rank >= 2 has one length along dim 1 and it is
         more than twice the probe: compile at the inputs cut to the probe length. The call is
         then served from that program, so capture and passes cost the same at every T and a
-        loop-written model unrolls the probe's steps, not T. False when nothing was compiled;
-        a probe the plan refuses leaves nothing behind (the full-length capture reports it)."""
+        loop-written model unrolls the probe's steps, not T. A plan with ``probe_until`` (the
+        chunked plans) compiles the probe only through its length-generic passes and keeps it
+        for its specialiser, uncached. False when nothing was compiled; a probe the plan refuses
+        leaves nothing behind (the full-length capture reports it)."""
         probe = get_plan(self.plan).probe_length if self.plan in plans() else None  # "auto" picks a plan later
-        if probe is None or self._cache or self.time_axis is not None:
+        if probe is None or self._cache or self._probes or self.time_axis is not None:
             return False
         leaves, spec = pytree.tree_flatten((args, kwargs))
         lengths = {x.shape[1] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 2}
@@ -205,13 +230,29 @@ class CompiledModule(nn.Module):
             return False
         cut = [x.narrow(1, 0, probe) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x for x in leaves]
         p_args, p_kwargs = pytree.tree_unflatten(cut, spec)
+        p_real = None
+        if real_values:
+            p_real = dict(real_values)
+            for x, c in zip(leaves, cut):
+                if c is not x and id(x) in real_values:
+                    p_real[id(c)] = real_values[id(x)].narrow(1, 0, probe)
+        until = get_plan(self.plan).probe_until
         try:
-            self.specialize(p_args, p_kwargs)
+            if until is None:
+                self.specialize(p_args, p_kwargs, real_values=p_real)
+            else:
+                with torch.random.fork_rng():
+                    entry = self.compile_at(p_args, p_kwargs, real_values=p_real, plain_when_short=False,
+                                            stop_after=until)
+                self._probes[self._key(p_args, p_kwargs)] = entry
+                while len(self._probes) > self.cache_size:
+                    self._probes.popitem(last=False)
         except GradshardError as exc:
             log.info("gradshard: the probe compile at T=%d was refused (%s); capturing at full length",
                      probe, str(exc).splitlines()[0])
             self._cache.clear()
-            self._specializers.clear()
+            self._probes.clear()
+            self._specializers[:] = [self._plan_serve] if self._plan_serve is not None else []
             return False
         return True
 
@@ -249,11 +290,12 @@ class CompiledModule(nn.Module):
         return entry
 
     def compile_at(self, args: tuple, kwargs: dict, *, real_values: Mapping[int, torch.Tensor] | None = None,
-                   plain_when_short: bool = True) -> CompiledGraph:
+                   plain_when_short: bool = True, stop_after: str | None = None) -> CompiledGraph:
         """Capture at ``args``/``kwargs`` and run the plan's passes; nothing is cached.
 
         ``plain_when_short``: a time axis of 0 or 1 steps compiles plain autograd instead
-        (equal to the plan there); False always compiles the plan (a specialiser's probe)."""
+        (equal to the plan there); False always compiles the plan (a specialiser's probe).
+        ``stop_after``: see :func:`compile_graph`."""
         cap = capture(self.target, args, kwargs, frontend=self.frontend)
         example = cap.example_inputs
         if real_values:
@@ -266,7 +308,7 @@ class CompiledModule(nn.Module):
                 f"plain autograd, which plan {self.plan!r} equals at this length")
             return entry
         return compile_graph(cap.gm, example, self.plan, self.options,
-                             captured=cap, time_axis=self.time_axis, backend=self.backend)
+                             captured=cap, time_axis=self.time_axis, backend=self.backend, stop_after=stop_after)
 
     def _short_sequence(self, cap: Captured, args: tuple, kwargs: dict) -> int | None:
         """The time length of these inputs when it is 0 or 1, judged by the time axis an
@@ -301,6 +343,14 @@ class CompiledModule(nn.Module):
     def specializations(self) -> tuple[CompiledGraph, ...]:
         """Every cached specialisation, oldest first."""
         return tuple(self._cache.values())
+
+    def specializations_like(self, args: tuple, kwargs: dict) -> tuple[CompiledGraph, ...]:
+        """The cached specialisations, then the probes compiled only through the plan's
+        length-generic passes, that were compiled while the modules' state (parameter and buffer
+        names, shapes, dtypes, devices, ``requires_grad``; training flags) was what it is for
+        this call: the ones a specialiser may serve these inputs from, newest first."""
+        state = self._key(args, kwargs)[1]
+        return tuple(e for store in (self._cache, self._probes) for k, e in reversed(store.items()) if k[1] == state)
 
     @property
     def current(self) -> CompiledGraph:

@@ -33,12 +33,12 @@ from .compare import CostTable, PlanRequest, compare_plans, cost_reports, cost_t
 from .devices import DEVICES, DeviceProfile, RooflineEstimate, devices, get_device, register_device, roofline_seconds
 from .plot import plot_memory_vs_seq_len
 from .probe import default_loss, make_step
-from .report import QUANTITIES, CostReport
+from .report import FIRST_STEP_QUANTITIES, QUANTITIES, CostReport
 from .rules import RULES, PlanRule, get_rule, register_rule
 from .units import format_bytes, format_count, format_flops, parse_bytes, parse_count, parse_counts
 
 __all__ = [
-    "cost", "CostReport", "QUANTITIES", "compare_plans", "cost_reports", "cost_table", "max_seq_len_table",
+    "cost", "CostReport", "QUANTITIES", "FIRST_STEP_QUANTITIES", "compare_plans", "cost_reports", "cost_table", "max_seq_len_table",
     "CostTable", "PlanRequest", "parse_plans", "plot_memory_vs_seq_len", "DeviceProfile", "DEVICES", "devices",
     "get_device", "register_device", "roofline_seconds", "RooflineEstimate", "PlanRule", "RULES", "get_rule",
     "register_rule", "parse_count", "parse_counts", "parse_bytes", "format_bytes", "format_count",

@@ -32,7 +32,8 @@ from ..plans import get_plan
 from .devices import get_device
 from .facts import graph_facts
 from .fit import B, T, Fit, fit_peak, fit_polynomial
-from .probe import ProbeSample, find_input_axes, run_probe
+from .probe import CompileSample, ProbeSample, find_input_axes, run_compile_probe, run_probe
+from .first_step import compile_probe_points, compile_regimes, fit_compile, first_step_expressions
 from .report import CostReport
 from .rules import RuleContext, get_rule, optimizer_states
 
@@ -73,7 +74,8 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
          dtype: torch.dtype | None = None, optimizer: str | float = "adamw",
          loss_fn: Callable[[Any], torch.Tensor] | None = None, time_axis: tuple[int, int] | None = None,
          frontend: str = "python", probe_seq_lens: Sequence[int] | None = None, probe_mode: str = "auto",
-         extra_rounds: int = 1, progress: Callable[[str], None] | None = None, **options: Any) -> CostReport:
+         extra_rounds: int = 1, first_step: bool = True, progress: Callable[[str], None] | None = None,
+         **options: Any) -> CostReport:
     """Symbolic costs of running ``model_or_fn`` under ``plan`` (see the module doc).
 
     ``example_inputs``: a tuple such that ``model_or_fn(*example_inputs)`` runs (a factory's
@@ -83,8 +85,11 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     ``loss_fn``: what the step backpropagates from the output (default
     :func:`~gradshard.cost.probe.default_loss`). ``probe_seq_lens``: override the probe
     lengths (three to fit, more to check). ``extra_rounds``: how many times to probe again
-    at twice (then four times) the lengths when a fit misses a probe (at most 2). Other
-    keywords are the plan's options.
+    at twice (then four times) the lengths when a fit misses a probe (at most 2).
+    ``first_step``: also price the first step (the compile a fresh module's first call runs;
+    :mod:`gradshard.cost.first_step`), probing the compile alone at a few more lengths where
+    it changes form (False: steady-step costs only, fewer probes). Other keywords are the
+    plan's options.
     """
     t_start = time.perf_counter()
     opts = get_plan(plan).make_options(**options)  # validates the options with a clear error
@@ -122,9 +127,26 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
             break
         probe_all([(b, t * scale) for b, t in fit_pts] + [(b, t * scale) for b, t in check_pts if b == fit_pts[0][0]])
         exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
+    compile_fits: dict[str, Fit] = {}
+    compiles: list[CompileSample] = []
+    if first_step:
+        regimes = compile_regimes(plan, opts, rule)
+        batches = sorted({b for b, _ in fit_pts})
+        have = [(s.batch, s.seq_len) for s in samples]
+        for b, t in compile_probe_points(regimes, have, granule, batches):
+            say(f"probe the compile of {plan} at batch={b}, seq_len={t}")
+            ctx = (lambda t=t: rule.probe_context(opts, t)) if rule.probe_context is not None else None
+            compiles.append(run_compile_probe(model_or_fn, example_inputs, plan=plan, options=dict(options),
+                                              axes=axes, batch=b, seq_len=t, time_axis=time_axis, frontend=frontend,
+                                              mode=probe_mode, dtype=dtype, context=ctx))
+        compile_exprs, compile_fits = fit_compile(regimes, samples, compiles)
+        exprs.update(compile_exprs)
     notes = [f"probed {len(samples)} compiled steps on {samples[0].mode} tensors in "
              f"{time.perf_counter() - t_start:.1f} s at (batch, seq_len) = "
              + ", ".join(f"({s.batch}, {s.seq_len})" for s in samples)]
+    if compiles:
+        notes.append("probed the compile alone at (batch, seq_len) = "
+                     + ", ".join(f"({c.batch}, {c.seq_len})" for c in compiles))
     symbols: dict[str, sympy.Symbol] = {"seq_len": T, "batch": B, **rule.symbols}
     if rule.per_rank_seq_len is not None:
         exprs = {k: sympy.expand(v.subs(T, rule.per_rank_seq_len)) if not v.has(sympy.Max)
@@ -139,6 +161,8 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
         exprs["flops"] = exprs["flops_fwd"] + exprs["flops_bwd"]
         exprs["total_bytes"] = (exprs["param_bytes"] + exprs["optimizer_bytes"] + exprs["input_bytes"]
                                 + exprs["peak_bytes"])
+    if first_step:
+        exprs.update(first_step_expressions(exprs))
     inexact = [q for q, f in fits.items() if not f.exact]
     if inexact:
         notes.append("not reproduced exactly on every probe (see .fits): " + ", ".join(inexact))
@@ -147,7 +171,7 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
         plan=plan, options={k: v for k, v in options.items()}, expressions=_ordered(exprs), symbols=symbols,
         defaults=rule.defaults(opts), example={"seq_len": axes.seq_len, "batch": axes.batch_size},
         method="probe", fits=fits, probes=tuple(samples), regions=samples[0].regions, device=profile,
-        dtype=report_dtype, notes=tuple(notes),
+        dtype=report_dtype, notes=tuple(notes), compile_fits=compile_fits,
     )
 
 
@@ -203,6 +227,7 @@ def _fit_samples(samples: Sequence[ProbeSample], states_per_param: float) -> tup
     }
     exprs["total_bytes"] = param_bytes + optimizer + e["input_bytes"] + e["peak_bytes"]
     exprs["flops"] = e["flops_fwd"] + e["flops_bwd"]
+    exprs["allocated_bytes"] = e["allocated_bytes"]
     return exprs, fits
 
 

@@ -157,7 +157,7 @@ def _show(column: str, value: Any) -> str:
         return format_count(value) if column != "batch" else str(value)
     if column.endswith("bytes"):
         return format_bytes(value)
-    if column.startswith("flops"):
+    if column.startswith("flops") or column.endswith("flops"):
         return format_flops(value)
     if column == "time_s":
         return format_seconds(value)
@@ -183,13 +183,17 @@ def cost_table(reports: Sequence[CostReport], seq_lens: Sequence[int | str], *, 
                 "total_bytes": v["total_bytes"], "fits": None if budget is None else v["total_bytes"] <= budget,
                 "flops": v["flops"], "comm_bytes": v["comm_bytes"],
                 "time_s": rep.time_estimate(t, batch, device=d, **extra).seconds if d is not None else None,
+                "first_step_peak_bytes": v.get("first_step_peak_bytes"), "first_step_flops": v.get("first_step_flops"),
             })
     cols = ("plan", "seq_len", "batch", "activation_bytes", "peak_bytes", "total_bytes", "fits", "flops",
-            "comm_bytes", "time_s")
+            "comm_bytes", "time_s", "first_step_peak_bytes", "first_step_flops")
     heads = ("plan", "seq len", "batch", "activations", "step peak", "total memory",
-             f"fits {format_bytes(budget)}" if budget else "fits", "FLOPs", "comm/step", "time (roofline est.)")
+             f"fits {format_bytes(budget)}" if budget else "fits", "FLOPs", "comm/step", "time (roofline est.)",
+             "first step peak*", "first step FLOPs*")
     notes = ["total memory = parameters + optimizer state + inputs + step peak (activations, gradients, "
-             "transients); time is a roofline estimate (lower bound), not a measurement"]
+             "transients); time is a roofline estimate (lower bound), not a measurement",
+             "* the first step of a fresh compiled module (capture and passes included) as gs.measure counts it: "
+             "the capture's fake tensors count as bytes there, though the allocator sees them as nothing"]
     if dev:
         notes.append(f"device: {dev.description}")
     return CostTable("gradshard cost", cols, heads, tuple(rows), tuple(notes))

@@ -15,7 +15,10 @@ A probe records, with the same counting rules as :func:`gradshard.measure.measur
 - ``saved_bytes``: distinct storages autograd saved for backward that the step allocated;
 - forward and backward FLOPs (``torch.utils.flop_counter``; ops run by the autograd engine
   are backward);
-- ``retained_bytes``: what is still alive after the step (the new ``.grad`` tensors).
+- ``retained_bytes``: what is still alive after the step (the new ``.grad`` tensors);
+- ``first_step``: the same module's *first* step, run before the priced one: the compile its
+  first call runs (capture, passes, self-checks), then the step (:class:`FirstStepSample`;
+  :mod:`gradshard.cost.first_step` fits it). :func:`run_compile_probe` runs the compile alone.
 
 The step is ``loss = loss_fn(compiled(*inputs)); loss.backward()`` with
 :func:`default_loss` unless the caller gives one. Inputs are resized along their time and
@@ -30,6 +33,7 @@ same bytes (the probe and ``gs.measure`` agree exactly either way).
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -43,8 +47,9 @@ from ..measure import LiveTensorTracker, SavedTensorRecorder, StepFlopCounter, r
 from .inputs import (CostProbeError, InputAxes, fake_clone, find_input_axes, real_clone, resize_inputs,
                      tensor_leaves)
 
-__all__ = ["InputAxes", "ProbeSample", "CostProbeError", "default_loss", "find_input_axes",
-           "resize_inputs", "fake_clone", "make_step", "run_probe", "REAL_PROBE_MAX_BYTES"]
+__all__ = ["InputAxes", "ProbeSample", "FirstStepSample", "CompileSample", "CostProbeError", "default_loss",
+           "find_input_axes", "resize_inputs", "fake_clone", "make_step", "run_probe", "run_compile_probe",
+           "collector_held", "REAL_PROBE_MAX_BYTES"]
 
 # "auto" probes models with at most this much state on real tensors: at probe sizes a real
 # step of a small model is faster than the fake-tensor dispatch, and exactly what runs.
@@ -97,6 +102,24 @@ def make_step(module: Callable[..., Any], loss_fn: Callable[[Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class FirstStepSample:
+    """The first step of a fresh compiled module, as :func:`gradshard.measure.measure` counts it
+    (bytes above the pre-step baseline): the compile its first call runs (capture, passes,
+    self-checks, schedule), then the step.
+
+    ``compile_*``: the compile alone; ``compile_retained_bytes``: what it leaves alive into the
+    step (the captured and rewritten graphs' fake tensors, caches)."""
+
+    peak_bytes: int
+    allocated_bytes: int
+    flops: int
+    compile_peak_bytes: int
+    compile_allocated_bytes: int
+    compile_flops: int
+    compile_retained_bytes: int
+
+
+@dataclass(frozen=True)
 class ProbeSample:
     """What one step cost at ``(batch, seq_len)`` (bytes above the pre-step baseline)."""
 
@@ -117,6 +140,7 @@ class ProbeSample:
     live: tuple[int, ...]
     regions: tuple[Any, ...] = ()
     phase_peaks: tuple[int, int] = (0, 0)  # (forward, backward) peaks
+    first_step: FirstStepSample | None = None  # the module's first step (compile included)
 
 
 def _state_of(cm: Any) -> tuple[int, int]:
@@ -177,17 +201,6 @@ def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options:
         ) from exc
 
 
-def _compile_at(cm: Any, inputs: tuple, originals: dict[int, torch.Tensor]) -> Any:
-    """Capture ``cm``'s target at ``inputs`` and run the plan's passes, as ``cm(*inputs)`` would.
-
-    The graph is traced with the fake tensors, but the passes receive the *real* parameter,
-    buffer and input values as ``example_inputs``: analyses read constants through them
-    (e.g. whether a decay mask is causal), and a fake tensor has no values to read. The entry
-    is installed in ``cm``'s specialisation cache, so calling ``cm`` runs it.
-    """
-    return cm.specialize(inputs, {}, real_values=originals)
-
-
 def _grad_step(cm: nn.Module, loss_fn: Callable | None) -> Callable[..., torch.Tensor]:
     """The priced step for fake tensors: gradients via ``autograd.grad`` instead of ``.backward()``.
 
@@ -240,14 +253,15 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
     else:
         ftarget, finputs = real_clone((target, inputs), dtype)
     cm = gs_compile(ftarget, plan, frontend=frontend, time_axis=time_axis, **options)
-    _compile_at(cm, finputs, originals)  # capture + passes at this size (not part of the priced step)
-    # The first call of a compiled module also runs its forward once (runtimes may set up
-    # caches there); the priced step is a later, steady-state step.
-    cm(*finputs)
-    state, trainable = _state_of(cm)
     input_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(finputs))
     device = next((t.device for t in tensor_leaves(finputs)), torch.device("cpu"))
     step = _grad_step(cm, loss_fn) if fake else make_step(cm, loss_fn)
+    # The first step (capture + passes + self-checks + the step), priced as gs.measure sees it;
+    # it also sets up what runtimes cache at their first call, so the step priced below is a
+    # later, steady-state step.
+    first = _first_step(cm, step, finputs, originals if fake else None, device, context)
+    _clear_grads(cm, step)
+    state, trainable = _state_of(cm)
     tracker = LiveTensorTracker(device=device, timeline=True)
     saved = SavedTensorRecorder(tracker)
     flops = StepFlopCounter()
@@ -268,4 +282,94 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
         regions=tuple(cm.current.regions),
         phase_peaks=(max((s.live_bytes for s in timeline if s.phase == "forward"), default=0),
                      max((s.live_bytes for s in timeline if s.phase == "backward"), default=0)),
+        first_step=first,
     )
+
+
+def _first_step(cm: Any, step: Callable[..., torch.Tensor] | None, inputs: tuple,
+                real_values: dict[int, torch.Tensor] | None, device: torch.device,
+                context: Callable[[], Any] | None) -> FirstStepSample:
+    """Instrument the compiled module's first step: the compile its first call runs, then ``step``
+    (``None``: the compile only).
+
+    The compile is :meth:`CompiledModule.compile_first`, what ``cm(*inputs)`` runs on a cache
+    miss, with ``real_values`` for the passes on fake-tensor probes. Counted as
+    :func:`gradshard.measure.measure` counts a first step: every storage dispatched on the
+    device, the capture's and the passes' fake tensors included, with the garbage collector
+    held off (:func:`collector_held`).
+    """
+    tracker = LiveTensorTracker(device=device)
+    flops = StepFlopCounter()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(collector_held())
+        if context is not None:
+            stack.enter_context(context())
+        with tracker, flops:
+            cm.compile_first(inputs, {}, real_values=real_values)
+            compile_peak, compile_alloc = tracker.peak_bytes, tracker.allocated_bytes
+            compile_flops, retained = flops.get_total_flops(), tracker.live_bytes
+            if step is not None:
+                step(*inputs)
+    return FirstStepSample(peak_bytes=tracker.peak_bytes, allocated_bytes=tracker.allocated_bytes,
+                           flops=flops.get_total_flops(), compile_peak_bytes=compile_peak,
+                           compile_allocated_bytes=compile_alloc, compile_flops=compile_flops,
+                           compile_retained_bytes=retained)
+
+
+@contextlib.contextmanager
+def collector_held() -> Any:
+    """Collect garbage now, then hold the cyclic garbage collector off until exit.
+
+    A first step's peak depends on when the collector frees the cycles compiling leaves (fx
+    graphs and their fake tensors); held off, the peak is the bound with nothing collected early,
+    the same on every run. The cost model prices the first step this way, and its validation
+    measures it this way."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@dataclass(frozen=True)
+class CompileSample:
+    """The compile alone at ``(batch, seq_len)`` (see :func:`run_compile_probe`)."""
+
+    batch: int
+    seq_len: int
+    first_step: FirstStepSample
+
+
+def run_compile_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options: dict[str, Any],
+                      axes: InputAxes, batch: int, seq_len: int, time_axis: tuple[int, int] | None = None,
+                      frontend: str = "python", mode: str = "auto", dtype: torch.dtype | None = None,
+                      context: Callable[[], Any] | None = None) -> CompileSample:
+    """What a fresh compiled module's first call compiles at ``(batch, seq_len)``, without the
+    step (the cost model prices the compile of plans served at other lengths this way)."""
+    from ..api import compile as gs_compile
+
+    inputs = resize_inputs(example_inputs, axes, batch, seq_len)
+    if mode == "auto":
+        mode = "real" if _state_bytes(target, inputs) <= REAL_PROBE_MAX_BYTES else "fake"
+    originals: dict[int, torch.Tensor] = {}
+    if mode == "fake":
+        fmode = FakeTensorMode(allow_non_fake_inputs=True)
+        ftarget, finputs = fake_clone((target, inputs), fmode, originals, dtype)
+    else:
+        ftarget, finputs = real_clone((target, inputs), dtype)
+    cm = gs_compile(ftarget, plan, frontend=frontend, time_axis=time_axis, **options)
+    device = next((t.device for t in tensor_leaves(finputs)), torch.device("cpu"))
+    first = _first_step(cm, None, finputs, originals if mode == "fake" else None, device, context)
+    return CompileSample(batch, seq_len, first)
+
+
+def _clear_grads(cm: Any, step: Any) -> None:
+    """Drop what the first step left (``.grad``, held gradients) so the next step starts clean."""
+    cap = cm.current.captured
+    for p in [*cm.parameters(), *(cap.params if cap is not None else ())]:
+        p.grad = None
+    if hasattr(step, "grads"):
+        del step.grads

@@ -19,6 +19,15 @@ flops               their sum
 comm_bytes          bytes each rank sends per step (0 on one device)
 hbm_bytes           estimated HBM traffic for the roofline: every allocated byte written and
                     read once, parameters read twice
+allocated_bytes     bytes the steady step allocates, freed or not (``gs.measure``'s count)
+compile_*           what a fresh module's first call runs before its step (capture, passes,
+                    self-checks, schedule): its ``peak_bytes``, the bytes it leaves alive
+                    into the step (``retained_bytes``), ``allocated_bytes`` and ``flops``
+first_step_*        the first step of a fresh compiled module, compile included: ``peak_bytes``,
+                    ``allocated_bytes`` and ``flops`` as ``gs.measure`` counts that call
+                    (:mod:`gradshard.cost.first_step`). Fake tensors (capture, the planner's
+                    dry runs) count as ``gs.measure`` counts them, as bytes on the device; the
+                    allocator sees them as nothing
 ==================  ==========================================================================
 
 ``evaluate(seq_len=..., batch=...)`` gives numbers; ``max_seq_len(memory_bytes=...)`` the
@@ -37,7 +46,7 @@ from .devices import DeviceProfile, RooflineEstimate, get_device, roofline_secon
 from .fit import Fit
 from .units import format_bytes, format_flops
 
-__all__ = ["CostReport", "QUANTITIES", "BYTE_QUANTITIES", "bisect_last"]
+__all__ = ["CostReport", "QUANTITIES", "BYTE_QUANTITIES", "FIRST_STEP_QUANTITIES", "bisect_last"]
 
 
 def bisect_last(holds: Callable[[int], bool], lo: int, hi: int) -> int:
@@ -51,8 +60,12 @@ def bisect_last(holds: Callable[[int], bool], lo: int, hi: int) -> int:
             hi = mid
     return lo
 
+#: What the first call adds is priced as the first step as a whole (see the module doc).
+FIRST_STEP_QUANTITIES = ("compile_peak_bytes", "compile_retained_bytes", "compile_allocated_bytes", "compile_flops",
+                         "first_step_peak_bytes", "first_step_allocated_bytes", "first_step_flops")
 QUANTITIES = ("activation_bytes", "peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "input_bytes",
-              "total_bytes", "flops_fwd", "flops_bwd", "flops", "comm_bytes", "hbm_bytes")
+              "total_bytes", "flops_fwd", "flops_bwd", "flops", "comm_bytes", "hbm_bytes", "allocated_bytes",
+              *FIRST_STEP_QUANTITIES)
 BYTE_QUANTITIES = tuple(q for q in QUANTITIES if q.endswith("_bytes"))
 
 
@@ -80,6 +93,8 @@ class CostReport:
     device: DeviceProfile | None = None
     dtype: str = "float32"
     notes: tuple[str, ...] = ()
+    #: how each ``compile_*`` quantity was fitted (per regime; see :mod:`gradshard.cost.first_step`)
+    compile_fits: Mapping[str, Fit] = field(default_factory=dict)
     _fns: dict[str, Callable[..., float]] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------ evaluation
@@ -135,6 +150,21 @@ class CostReport:
             raise ValueError("time_estimate needs a device: pass device='h100' (or build the report with one)")
         return self._roofline(self.evaluate(seq_len, batch, **sizes), dev, link)
 
+    def first_step(self, seq_len: int | None = None, batch: int | None = None, **sizes: int) -> dict[str, dict[str, float]]:
+        """The first step against a steady one at ``seq_len``/``batch``:
+        ``{"peak_bytes": {"first": ..., "steady": ..., "added": ...}, "allocated_bytes": ..., "flops": ...}``.
+
+        Raises ``KeyError`` for a report without first-step probes (built from rules)."""
+        missing = [q for q in FIRST_STEP_QUANTITIES if q.startswith("first") and q not in self.expressions]
+        if missing:
+            raise KeyError(f"this {self.method!r} report has no first-step costs ({', '.join(missing)})")
+        v = self.evaluate(seq_len, batch, **sizes)
+        out = {}
+        for q in ("peak_bytes", "allocated_bytes", "flops"):
+            first, steady = v[f"first_step_{q}"], v[q]
+            out[q] = {"first": first, "steady": steady, "added": first - steady}
+        return out
+
     def _roofline(self, vals: Mapping[str, float], dev: DeviceProfile, link: str | None = None) -> RooflineEstimate:
         return roofline_seconds(dev, flops=vals["flops"], hbm_bytes=vals["hbm_bytes"],
                                 comm_bytes=vals["comm_bytes"], dtype=self.dtype, link=link)
@@ -189,8 +219,8 @@ class CostReport:
         lines = [f"cost of plan {self.plan!r} {dict(self.options) or ''} ({self.method}; symbols {sym})"]
         for q, expr in self.expressions.items():
             v = vals[q]
-            shown = format_flops(v) if q.startswith("flops") else format_bytes(v)
-            fit = self.fits.get(q)
+            shown = format_flops(v) if q.endswith("flops") or q.startswith("flops") else format_bytes(v)
+            fit = self.fits.get(q) or self.compile_fits.get(q)
             tag = "" if fit is None else (" [exact on all probes]" if fit.exact else
                                           f" [fit error {fit.max_rel_error:.2%}]")
             lines.append(f"  {q:17s} = {self.formula(q)}{tag}")

@@ -12,7 +12,13 @@ must respect:
 - ``probe_context(options, seq_len)``: a context manager around each probe's step (SpaCO
   probes keep every chunk: the worst case memory and the full backward);
 - ``adjust(ctx)``: rewrite the probed expressions (communication per step, expected values
-  of randomised plans).
+  of randomised plans);
+- ``compile_breaks(options)``: sequence lengths at which the plan's compile (what the first
+  call adds to a steady step) changes form; the compile is fitted piece by piece between them.
+  SeCO/SpaCO's chunk planner dry-runs ``min(k, 6)`` of the ``k`` chunks
+  (:func:`gradshard.plans.chunked.plan.dry_run`), so its cost bends after ``k = 6``; a plan with a
+  ``probe_length`` compiles at the probe and serves longer calls from it (gs.cost adds that
+  break, ``2 * probe_length``, itself).
 
 Rules come from the plans' semantics in docs/DESIGN.md:
 
@@ -96,6 +102,9 @@ class PlanRule:
     needs: tuple[str, ...] = ()  # graph facts adjust() reads (see gradshard.cost.facts)
     # a context manager factory entered around each probe's step: (options, seq_len) -> cm
     probe_context: Callable[[Any, int], Any] | None = None
+    # lengths at which the compile (what a first call adds) changes form: its cost is fitted
+    # piece by piece between them (a plan's probe-first length is added by gs.cost itself)
+    compile_breaks: Callable[[Any], tuple[int, ...]] = lambda options: ()
 
 
 RULES: dict[str, PlanRule] = {}
@@ -130,9 +139,18 @@ register_rule(PlanRule(
 register_rule(PlanRule(
     "truncated_adjoint", "adjoint + the window buffer, as probed",
     granularity=lambda o: _lcm(_opt(o, "shard_size", 1), min(_opt(o, "window", 1), _opt(o, "shard_size", 1)))))
+#: The chunk planner's dry run evaluates at most this many chunks (first three, middle, last two).
+CHUNK_DRY_RUN_SAMPLES = 6
+
+
+def _chunk_compile_breaks(options: Any) -> tuple[int, ...]:
+    """Up to ``SAMPLES * chunk`` steps the dry run evaluates every chunk; beyond, six of them."""
+    return (CHUNK_DRY_RUN_SAMPLES * _opt(options, "chunk_size", 1),)
+
+
 register_rule(PlanRule(
     "seco", "KV cache / state checkpoints + one chunk's graph, as probed",
-    granularity=lambda o: _opt(o, "chunk_size", 1)))
+    granularity=lambda o: _opt(o, "chunk_size", 1), compile_breaks=_chunk_compile_breaks))
 register_rule(PlanRule(
     "partial_update", "gradients and optimizer state of the trainable slice only, as probed"))
 
@@ -160,7 +178,7 @@ def _spaco_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:
 register_rule(PlanRule(
     "spaco", "seco's memory (every chunk kept: the worst case); backward FLOPs of budget/k of the chunks "
     "in expectation", granularity=lambda o: _opt(o, "chunk_size", 1), probe_context=_spaco_all_chunks,
-    adjust=_spaco_adjust))
+    adjust=_spaco_adjust, compile_breaks=_chunk_compile_breaks))
 
 
 def _lasp_adjust(ctx: RuleContext) -> dict[str, sympy.Expr]:

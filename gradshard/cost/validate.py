@@ -23,10 +23,11 @@ import torch
 
 from gradshard.errors import GradshardError
 from gradshard.cost.build import cost
-from gradshard.cost.probe import make_step
+from gradshard.cost.probe import collector_held, make_step
 from gradshard.cost.report import CostReport, bisect_last
 
-__all__ = ["ValidationRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
+__all__ = ["ValidationRow", "FirstStepRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
+           "measure_first_and_steady",
            "bisect_max_seq_len", "plan_applies"]
 
 Factory = Callable[..., tuple[Any, tuple[Any, ...]]]
@@ -41,20 +42,23 @@ class ValidationCase:
     note: str = ""
 
 
+#: Plans that compile a long first call at their probe length (67) are also validated at 200
+#: steps, where the first call is served from the probe (the first step's last regime).
 VALIDATION_CASES: dict[str, ValidationCase] = {
     "none": ValidationCase({}, (24, 40, 80, 128)),
-    "seco": ValidationCase({"chunk_size": 8}, (40, 56, 80, 128)),
-    "spaco": ValidationCase({"chunk_size": 8, "budget": 2}, (40, 56, 80, 128),
+    "seco": ValidationCase({"chunk_size": 8}, (40, 56, 80, 128, 200)),
+    "spaco": ValidationCase({"chunk_size": 8, "budget": 2}, (40, 56, 80, 128, 200),
                             "peak: every chunk kept (the worst case); FLOPs: budget/k of the all-chunk backward"),
     "partial_update": ValidationCase({"num_slices": 4, "slice_index": 1}, (24, 40, 80, 128)),
-    "adjoint": ValidationCase({"shard_size": 8}, (40, 56, 80, 128)),
-    "truncated_adjoint": ValidationCase({"window": 8, "shard_size": 8}, (40, 56, 80, 128)),
+    "adjoint": ValidationCase({"shard_size": 8}, (40, 56, 80, 128, 200)),
+    "truncated_adjoint": ValidationCase({"window": 8, "shard_size": 8}, (40, 56, 80, 128, 200)),
 }
 
 
 @dataclass(frozen=True)
 class ValidationRow:
-    """One (example, plan, seq_len): predicted vs. measured peak bytes and FLOPs."""
+    """One (example, plan, seq_len): predicted vs. measured peak bytes and FLOPs (steady step),
+    and the same for the first step when the report prices it."""
 
     example: str
     plan: str
@@ -65,6 +69,7 @@ class ValidationRow:
     predicted_flops: int
     measured_flops: int
     probed: bool  # this (batch, seq_len) was one of the report's probes
+    first: FirstStepRow | None = None  # the first step of a fresh compiled module
 
     @property
     def peak_error(self) -> float:
@@ -73,6 +78,34 @@ class ValidationRow:
     @property
     def flops_error(self) -> float:
         return abs(self.predicted_flops - self.measured_flops) / max(self.measured_flops, 1)
+
+
+@dataclass(frozen=True)
+class FirstStepRow:
+    """The first step (compile included) at one length: predicted vs. ``gs.measure``'s count."""
+
+    predicted_peak: int
+    measured_peak: int
+    predicted_allocated: int
+    measured_allocated: int
+    predicted_flops: int
+    measured_flops: int
+
+    @staticmethod
+    def _err(p: int, m: int) -> float:
+        return abs(p - m) / max(abs(m), 1)
+
+    @property
+    def peak_error(self) -> float:
+        return self._err(self.predicted_peak, self.measured_peak)
+
+    @property
+    def allocated_error(self) -> float:
+        return self._err(self.predicted_allocated, self.measured_allocated)
+
+    @property
+    def flops_error(self) -> float:
+        return self._err(self.predicted_flops, self.measured_flops)
 
 
 def _step_context(plan: str, options: Mapping[str, Any], seq_len: int) -> Any:
@@ -98,6 +131,27 @@ def measure_step(factory: Factory, plan: str, options: Mapping[str, Any], seq_le
         p.grad = None
     with _step_context(plan, options, seq_len):
         return measure(make_step(cm), *inputs, repeat=0)  # the instrumented step only
+
+
+def measure_first_and_steady(factory: Factory, plan: str, options: Mapping[str, Any], seq_len: int, batch: int,
+                             device: str | torch.device | None = None) -> tuple[Any, Any]:
+    """``gs.measure`` of a fresh compiled module's first step (its compile included; the garbage
+    collector held off, :func:`~gradshard.cost.probe.collector_held`), then of a steady step of
+    the same module (gradients cleared in between)."""
+    from gradshard.api import compile as gs_compile
+    from gradshard.measure import measure
+
+    target, inputs = factory(seq_len=seq_len, batch=batch)
+    if device is not None:
+        target, inputs = _to_device((target, inputs), device)
+    cm = gs_compile(target, plan, **options)
+    with _step_context(plan, options, seq_len), collector_held():  # as the cost model prices it
+        first = measure(make_step(cm), *inputs, repeat=0)
+    for p in cm.parameters():
+        p.grad = None
+    with _step_context(plan, options, seq_len):
+        steady = measure(make_step(cm), *inputs, repeat=0)
+    return first, steady
 
 
 def _to_device(tree: Any, device: str | torch.device) -> Any:
@@ -139,17 +193,25 @@ def validate_plan(name: str, factory: Factory, plan: str, options: Mapping[str, 
         report = cost(target, plan, example_inputs=inputs, **options)
     build_s = time.perf_counter() - t0
     probed = {(s.batch, s.seq_len) for s in report.probes}
+    priced_first = "first_step_allocated_bytes" in report.expressions
     rows = []
     for t in seq_lens:
-        m = measure_step(factory, plan, options, t, batch, device=device)
+        if priced_first:
+            m1, m = measure_first_and_steady(factory, plan, options, t, batch, device=device)
+        else:
+            m1, m = None, measure_step(factory, plan, options, t, batch, device=device)
         v = report.evaluate(seq_len=t, batch=batch)
         flops = v["flops"]
         if plan == "spaco":  # measured with every chunk kept: compare with the all-chunk backward
             k = -(-t // int(options["chunk_size"]))
             q = min(1.0, int(options["budget"]) / k)
             flops = v["flops_fwd"] + round(v["flops_bwd"] / q)
+        first = None
+        if m1 is not None:
+            first = FirstStepRow(v["first_step_peak_bytes"], m1.peak_bytes, v["first_step_allocated_bytes"],
+                                 m1.allocated_bytes, int(flops + v["compile_flops"]), m1.flops)
         rows.append(ValidationRow(name, plan, t, batch, v["peak_bytes"], m.peak_bytes, int(flops), m.flops,
-                                  (batch, t) in probed))
+                                  (batch, t) in probed, first))
     return report, rows, build_s
 
 

@@ -44,6 +44,14 @@ class PlanSpec:
     #: plans whose programs a specialiser re-serves at other lengths: a first call longer than
     #: twice this is compiled at this many steps first and served from there (``CompiledModule``)
     probe_length: int | None = None
+    #: ``serve(compiled_module, args, kwargs) -> CompiledGraph | None``, registered on every
+    #: module compiled with this plan (``CompiledModule.register_specializer``): serves a cache
+    #: miss from a cached entry (e.g. at another length) or returns None to capture as usual
+    serve: Callable[[Any, tuple, dict], Any] | None = None
+    #: with a ``probe_length``: the last pass a probe compile runs (the plan's length-generic
+    #: passes end there). The probe is then kept only for ``serve`` to plan the call's length
+    #: from, not run; None: the probe is a full compile, cached like any other
+    probe_until: str | None = None
 
     def make_options(self, **kwargs: Any) -> Any:
         """Validate ``kwargs`` against the options dataclass with a helpful error."""
@@ -91,7 +99,9 @@ PLANS: dict[str, PlanSpec] = {}
 def register_plan(name: str, *, passes: Sequence[GraphPass], gradient: str, doc: str,
                   needs_time_axis: bool = True,
                   prepare: Callable[[Any, Any], tuple[str, ...]] | None = None,
-                  probe_length: int | None = None) -> Callable[[type], type]:
+                  probe_length: int | None = None,
+                  serve: Callable[[Any, tuple, dict], Any] | None = None,
+                  probe_until: str | None = None) -> Callable[[type], type]:
     """Class decorator: register the decorated frozen options dataclass as plan ``name``."""
 
     def deco(options: type) -> type:
@@ -100,7 +110,10 @@ def register_plan(name: str, *, passes: Sequence[GraphPass], gradient: str, doc:
         if name in PLANS:
             raise GradshardError(f"plan {name!r} is registered twice ({PLANS[name].options.__module__} "
                                  f"and {options.__module__})")
-        PLANS[name] = PlanSpec(name, options, tuple(passes), gradient, doc, needs_time_axis, prepare, probe_length)
+        if probe_until is not None and probe_until not in [p.name for p in passes]:
+            raise GradshardError(f"plan {name!r}: probe_until={probe_until!r} names none of its passes")
+        PLANS[name] = PlanSpec(name, options, tuple(passes), gradient, doc, needs_time_axis, prepare, probe_length,
+                               serve, probe_until)
         return options
 
     return deco

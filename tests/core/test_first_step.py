@@ -71,3 +71,19 @@ def test_plan_none_on_a_transformers_model_costs_what_eager_costs() -> None:
     first, steady = _peaks(gs.compile(model, plan="none"), list(model.parameters()), step)
     assert first <= 1.1 * steady, (first, steady)
     assert steady <= 1.1 * eager, (steady, eager)
+
+
+def test_a_loop_written_model_unrolls_the_probe_not_the_sequence_under_seco() -> None:
+    """seco compiles a long first call at the 67-step probe and serves T from its rolled graph:
+    what is captured (nodes) and what the compile allocates do not grow with T."""
+    nodes, peaks = [], []
+    for T in (300, 900):
+        model, (ids,) = factories.ssm_loop(seq_len=T, batch=1, d_model=16, n_layers=1)
+        cm = gs.compile(model, plan="seco", chunk_size=64)
+        with CpuAllocatorTrace() as trace:
+            entry = cm.compile_first((ids,))
+        assert entry.extras.get("respecialized_from") == 67, cm.explain()
+        nodes.append(len(entry.original.graph.nodes))
+        peaks.append(trace.peak_bytes)
+    assert nodes[0] == nodes[1], nodes
+    assert peaks[1] <= peaks[0] + 2**16, peaks

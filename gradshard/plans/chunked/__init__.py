@@ -3,7 +3,9 @@
 Li et al., "Training Long-Context LLMs Efficiently via Chunk-wise Optimization"; semantics
 in docs/DESIGN.md (``seco``, ``spaco``). Both plans share one pipeline; the plan name selects
 whether the backward visits every chunk or a sampled subset (see
-:mod:`gradshard.plans.chunked.runtime`).
+:mod:`gradshard.plans.chunked.runtime`). A first call longer than twice ``PROBE_LENGTH`` is
+compiled at the probe and served by re-specialising the length-generic graph
+(:mod:`gradshard.plans.chunked.respecialize`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
+from gradshard.passes.recurrence_mlstm import rewrite_chunkwise_mlstm
 from gradshard.passes.roll_loops import roll_loops_carrying
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.chunked.plan import plan_chunk_program
+from gradshard.plans.chunked.respecialize import PROBE_LENGTH, record_length_generic, serve_new_length
 from gradshard.plans.chunked.rewrite import rewrite_chunked
 from gradshard.plans.registry import register_plan
 
@@ -28,6 +32,10 @@ PASSES = (
     # Before the time analysis: the blocked gated delta rule (time split over blocks, a solve
     # along the steps of a block) becomes one dense scan along time, which the analysis follows.
     rewrite_delta_rule_blocks,
+    # Before the time analysis too: xLSTM's chunkwise mLSTM (a loop over blocks with one stabiliser
+    # per block, outputs from a masked intra-block product) becomes its step recurrence, a loop
+    # carrying (C, n, m) that the loop rolling below handles (proven on the region first).
+    rewrite_chunkwise_mlstm,
     # The time analysis comes next: everything after reads ctx.analyses["time"].
     annotate_time_locality,
     # Per-timestep Python loops become one linear_scan each, or, without a linear update, one
@@ -37,6 +45,10 @@ PASSES = (
     # Vectorised scans the chunk rules cannot carry themselves (associative_scan trees) become
     # one scan op each; after rolling, before detection; recomputes the time analysis.
     canonicalize_recurrences,
+    # Everything above is length-generic, everything below plans for this length: keep the
+    # graph here (with the time analysis' facts) so another length is served from it without
+    # a new capture (serve_new_length). After rolling (a rolled loop serves any length).
+    record_length_generic,
     # Detectors (attention among them) need the time analysis (causality, score matrices);
     # their attention regions name the KV cache points the planner keeps.
     detect_regions,
@@ -48,7 +60,8 @@ PASSES = (
 
 
 @register_plan(
-    "seco", passes=PASSES, gradient="exact",
+    "seco", passes=PASSES, gradient="exact", probe_length=PROBE_LENGTH, serve=serve_new_length,
+    probe_until=record_length_generic.name,
     doc="Sequential chunk-wise optimisation: forward chunk by chunk keeping the KV cache and scan "
         "states, backward one recomputed chunk at a time in reverse order.")
 @dataclass(frozen=True)
@@ -57,7 +70,8 @@ class SecoOptions:
 
 
 @register_plan(
-    "spaco", passes=PASSES,
+    "spaco", passes=PASSES, probe_length=PROBE_LENGTH, serve=serve_new_length,
+    probe_until=record_length_generic.name,
     gradient="unbiased estimate (sampling='bernoulli', no cap); biased with 'fixed' or max_compensation",
     doc="Sparse chunk-wise optimisation: like seco, but the backward runs only a sampled subset of "
         "chunks (budget t of k) with compensation factors.")

@@ -1,0 +1,284 @@
+"""Serve a chunked plan at a new sequence length without capturing again.
+
+SeCO/SpaCO capture per input signature, and a model written as a per-step Python loop is
+unrolled ``T`` steps at capture (HF Mamba's slow path took 89 s at T=1024). The chunked
+pipeline is in two parts:
+
+1. *length-generic*: capture, ``simplify_attention_masks``, ``rewrite_delta_rule_blocks``,
+   the time analysis, ``roll_loops_carrying`` (an unrolled loop becomes one scan or one
+   carried loop, whatever the length) and ``canonicalize_recurrences``. What they leave has
+   ``T`` only in integer arguments (view sizes, slice bounds, ``arange`` ends).
+2. *per length*: detection, the chunk planner (``plan_chunk_program``: chunk bounds, cache
+   points, the dry run) and ``rewrite_chunked``, then kernel lowering.
+
+:func:`record_length_generic` (a pass, between the two parts) keeps a copy of the graph and
+its time facts (:func:`gradshard.passes.respecialize.time_facts`). A first call longer than
+twice :data:`PROBE_LENGTH` is compiled at the probe length (``CompiledModule._compile_probe``)
+and then :func:`serve_new_length` serves it: it re-specialises the kept graph to the new
+``T`` (:func:`gradshard.passes.respecialize.respecialize`, which verifies every node's shape by
+fake-tensor propagation) and runs part 2 on it. Capture and the length-generic passes thus
+cost the same at every ``T``, and a loop-written model unrolls the probe's steps, not ``T``.
+
+Exactness: as the adjoint plan's specialiser does, the first time a kept graph serves
+another length it is re-specialised to the probe length plus one and checked against a real
+capture at that length (same passes, the call's inputs cut to that length, forward values
+compared); a graph that fails the check, or a re-specialisation refused by the shape
+verification, falls back to capturing at the call's length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
+
+from gradshard.analysis.dims import shape_of
+from gradshard.errors import GradshardError
+from gradshard.ir import PassRecord
+from gradshard.passes.annotate_time import annotate_time_locality
+from gradshard.passes.respecialize import RespecializeError, respecialize, time_facts
+from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
+
+__all__ = ["PROBE_LENGTH", "LengthGeneric", "record_length_generic", "serve_new_length"]
+
+log = logging.getLogger("gradshard")
+
+#: A long first call is compiled at this many steps and served from there. A prime, as the
+#: adjoint plans' probe: a length equal to a model size (64 channels) would make the
+#: re-specialiser refuse, since it cannot tell the two integers apart.
+PROBE_LENGTH = 67
+
+#: ``ctx.plan_state`` key of the :class:`LengthGeneric` record.
+STATE_KEY = "length_generic"
+
+
+@dataclass
+class LengthGeneric:
+    """The graph the length-generic passes left, at the length it was captured at.
+
+    ``verified``: None until the cross-check against a real capture ran, then its verdict
+    (shared by every entry served from this graph)."""
+
+    graph: fx.GraphModule
+    facts: dict[str, tuple[Any, ...]]
+    seq_len: int
+    time_inputs: dict[str, int]  # placeholder name -> time dim
+    verified: Optional[bool] = None
+
+
+@graph_pass
+def record_length_generic(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Keep the graph and its time facts so another length can be served from it (analysis).
+
+    Everything before this pass is length-generic (see the module doc); the planner and the
+    rewrite after it run again at a served length."""
+    tl = ctx.analyses.get("time")
+    inputs = _input_time_dims(gm, tl)
+    lengths = {int(shape_of(ph)[d]) for ph, d in inputs.items()} if inputs else set()
+    if len(lengths) != 1 or min(lengths) < 2:
+        return PassResult(gm, notes=("the inputs have no common time axis of two or more steps: new lengths "
+                                     "are captured again",))
+    T = lengths.pop()
+    facts = time_facts(gm, tl, T)
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if ph not in inputs and ph.name in facts:  # parameters, buffers (a RoPE table): same at any length
+            facts[ph.name] = (None,) * len(facts[ph.name])
+    kept = fx.GraphModule(gm, copy_graph(gm), gm.__class__.__name__)
+    ctx.plan_state[STATE_KEY] = LengthGeneric(kept, facts, T, {ph.name: d for ph, d in inputs.items()})
+    return PassResult(gm, notes=(f"kept the {len(kept.graph.nodes)}-node graph at T={T}: a call at "
+                                 "another length re-specialises it and plans again, without a new capture",))
+
+
+def _input_time_dims(gm: fx.GraphModule, tl: Any) -> dict[fx.Node, int]:
+    """The model inputs (not parameters or buffers) that carry the time axis, and its dim."""
+    if tl is None:
+        return {}
+    out = {}
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        d = tl.time_inputs.get(ph.name)
+        if d is not None and str(ph.meta.get("gs_input_name", "")).startswith("input") and shape_of(ph):
+            out[ph] = int(d)
+    return out
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def _new_length(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict) -> Optional[int]:
+    """The call's length if its inputs differ from ``entry``'s only along their time dims."""
+    cap = entry.captured
+    if cap is None:
+        return None
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if spec != cap.input_spec:
+        return None
+    new = [leaves[i] for i in cap.tensor_positions]
+    old = cap.example_inputs[cap.num_state:]
+    phs = list(lg.graph.graph.find_nodes(op="placeholder"))[cap.num_state:]
+    if len(new) != len(old) or len(phs) != len(old):
+        return None
+    T_new: Optional[int] = None
+    for t, o, ph in zip(new, old, phs):
+        if (not isinstance(t, torch.Tensor) or t.dtype != o.dtype or t.dim() != o.dim() or t.device != o.device
+                or t.requires_grad != o.requires_grad):
+            return None
+        td = lg.time_inputs.get(ph.name)
+        for d, (a, b) in enumerate(zip(t.shape, o.shape)):
+            if d == td:
+                if T_new is not None and T_new != int(a):
+                    return None
+                T_new = int(a)
+            elif a != b:
+                return None
+    for i, leaf in enumerate(leaves):
+        if i not in cap.tensor_positions and leaf is not cap.constant_leaves[i] and leaf != cap.constant_leaves[i]:
+            return None
+    if T_new is None or T_new == lg.seq_len or T_new < 2:
+        return None
+    return T_new
+
+
+def _cut(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, length: int) -> tuple[tuple, dict]:
+    """The call's inputs cut to their first ``length`` steps along their time dims."""
+    cap = entry.captured
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    phs = list(lg.graph.graph.find_nodes(op="placeholder"))[cap.num_state:]
+    for pos, ph in zip(cap.tensor_positions, phs):
+        td = lg.time_inputs.get(ph.name)
+        if td is not None:
+            leaves[pos] = leaves[pos].narrow(td, 0, length)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _generic_passes(plan: str) -> list[Any]:
+    """The plan's passes up to and including :func:`record_length_generic`."""
+    from gradshard.plans.registry import get_plan
+
+    passes = list(get_plan(plan).pipeline())
+    names = [p.name for p in passes]
+    return passes[: names.index(record_length_generic.name) + 1]
+
+
+def _planning_passes(plan: str) -> list[Any]:
+    """The time analysis, then the plan's passes after :func:`record_length_generic`."""
+    from gradshard.plans.registry import get_plan
+
+    passes = list(get_plan(plan).pipeline())
+    names = [p.name for p in passes]
+    return [annotate_time_locality, *passes[names.index(record_length_generic.name) + 1:]]
+
+
+def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, T_new: int) -> bool:
+    """The kept graph re-specialised to the probe length plus one (or, for a shorter call, to the
+    call's length) against a real capture there, run through the same length-generic passes:
+    forward values must agree."""
+    from gradshard.capture import capture
+
+    # one step longer than the kept graph, or the call's own (shorter) length: the inputs must
+    # hold ``probe`` steps
+    probe = lg.seq_len + 1 if T_new > lg.seq_len else T_new
+    if probe < 2:
+        return False
+    p_args, p_kwargs = _cut(entry, lg, args, kwargs, probe)
+    try:
+        with torch.random.fork_rng():
+            cap = capture(cm.target, p_args, p_kwargs, frontend=cm.frontend)
+            flat = [*cap.state(), *cap.flat_inputs(p_args, p_kwargs)]
+            ctx = PassContext(plan=entry.plan, options=entry.options, example_inputs=flat, captured=cap,
+                              time_axis=cm.time_axis, backend=cm.backend)
+            real, _ = run_passes(cap.gm, _generic_passes(entry.plan), ctx)
+            mine = respecialize(lg.graph, lg.facts, lg.seq_len, probe, strict_scalars=True)
+            with torch.no_grad():
+                torch.manual_seed(0)
+                want = real(*flat)
+                torch.manual_seed(0)
+                got = mine(*flat)
+            if any(isinstance(x, FakeTensor) for x in flat):
+                # the cost model prices a fake-tensor clone (the runs above are its cost): no
+                # values to compare, and none reach a user; the shapes were verified
+                return True
+            return _same_values(want, got)
+    except Exception as exc:  # noqa: BLE001 - any failure means: capture at the call's length
+        log.info("gradshard: the length-generic cross-check at T=%d failed (%s); capturing again", probe,
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+
+
+def _same_values(want: Sequence[Any], got: Sequence[Any]) -> bool:
+    if len(want) != len(got):
+        return False
+    for a, b in zip(want, got):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if not isinstance(a, torch.Tensor):
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if not a.is_floating_point():
+            if not torch.equal(a, b):
+                return False
+            continue
+        tol = 1e-9 if a.dtype == torch.float64 else 1e-4
+        if not torch.allclose(a, b, rtol=tol, atol=tol, equal_nan=True):
+            return False
+    return True
+
+
+def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, T_new: int) -> Any:
+    """The kept graph re-specialised to ``T_new``, planned and rewritten at that length."""
+    t0 = time.perf_counter()
+    gm = respecialize(lg.graph, lg.facts, lg.seq_len, T_new, strict_scalars=True)
+    seconds = time.perf_counter() - t0
+    cap = entry.captured
+    flat = [*cap.state(), *cap.flat_inputs(args, kwargs)]
+    ctx = PassContext(plan=entry.plan, options=entry.options, example_inputs=flat, captured=cap,
+                      time_axis=cm.time_axis, backend=cm.backend)
+    ctx.plan_state[STATE_KEY] = lg
+    record = PassRecord(
+        name="respecialize_length",
+        doc=f"re-specialise the graph the length-generic passes left at T={lg.seq_len} to T={T_new} (length-"
+            "dependent integers rewritten, every shape verified on fake tensors; no new capture)",
+        changed=True, before=lg.graph.code, after=gm.code, created=(), erased=(),
+        notes=(f"T: {lg.seq_len} -> {T_new}",), regions=(), seconds=seconds)
+    out, records = run_passes(gm, _planning_passes(entry.plan), ctx)
+    names = [r.name for r in entry.records]
+    generic = entry.records[: names.index(record_length_generic.name) + 1]  # capture-time passes, kept
+    # ``program`` is the probe's until CompiledModule schedules the served graph (api sits above plans)
+    return dataclasses.replace(
+        entry, gm=out, regions=tuple(ctx.regions),
+        records=(*generic, record, *records), ctx=ctx,
+        extras={"respecialized_from": lg.seq_len, "seq_len": T_new})
+
+
+def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+    """Specialiser (``CompiledModule.register_specializer``): an entry for inputs that differ
+    from a cached chunked entry only in their time length, or None to capture as usual."""
+    for entry in cm.specializations_like(args, kwargs):
+        lg = entry.ctx.plan_state.get(STATE_KEY) if entry.ctx is not None else None
+        if not isinstance(lg, LengthGeneric) or "short_sequence" in entry.extras:
+            continue
+        T_new = _new_length(entry, lg, args, kwargs)
+        if T_new is None:
+            continue
+        if lg.verified is None:
+            lg.verified = _cross_check(cm, entry, lg, args, kwargs, T_new)
+        if not lg.verified:
+            return None
+        try:
+            with torch.random.fork_rng():  # compiling must not consume the user's random stream
+                served = _served_entry(cm, entry, lg, args, kwargs, T_new)
+        except (RespecializeError, GradshardError) as exc:
+            # a refusal at the new length is reported by the capture at that length, if it stands
+            log.info("gradshard: cannot serve T=%d from T=%d (%s); capturing again", T_new, lg.seq_len,
+                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return None
+        log.info("gradshard: serving T=%d from the graph captured at T=%d (no new capture)", T_new, lg.seq_len)
+        return served
+    return None

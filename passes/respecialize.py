@@ -1,0 +1,347 @@
+"""Re-specialise a captured graph to another sequence length.
+
+A captured aten graph has the sequence length ``T`` baked into its integer arguments
+(``view(x, [2, 32, 8])``, ``slice(conv, 2, 0, 32)``, ``new_zeros(x, [2, 32])``). Plans use
+this to avoid capturing again: the adjoint runtime recomputes time-local producers on
+windows of other lengths (shards plus halos) and serves a program compiled at one ``T`` at
+another (:mod:`gradshard.plans.adjoint.generic`); the chunked plans serve a new length from
+the graph their length-generic passes left (:mod:`gradshard.plans.chunked.respecialize`).
+This module rewrites those integers.
+
+Time facts (computed once from the time-locality analysis): every output dim that carries
+time is either
+
+* ``shift c``: size ``T + c`` (the time axis itself, possibly padded or cropped by ``c``);
+  sizes ``>= T/2`` are taken to move with ``T``,
+* ``scale m``: size ``m * T`` (time merged with other dims, e.g. ``B*T`` rows),
+* ``fixed``: a short piece along time (``x[:, :1]``, sizes ``< T/2``) that keeps its size.
+
+:func:`respecialize` rewrites size lists (view/reshape/expand/new_zeros/full/...), slice and
+narrow bounds, select indices and ``arange`` ends from the facts, then *verifies* the result
+by fake-tensor shape propagation: every node must come out with exactly the shape its facts
+predict, or :class:`RespecializeError` is raised (callers then fall back to capturing again).
+Integers that encode positions rather than sizes (bounds near the end of the axis) are
+rewritten relative to the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from gradshard.analysis.dims import shape_of
+
+aten = torch.ops.aten
+
+__all__ = ["DimFact", "Facts", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate"]
+
+
+class RespecializeError(RuntimeError):
+    """The graph cannot be re-specialised to another length safely."""
+
+
+@dataclass(frozen=True)
+class DimFact:
+    """How one output dim's size depends on the sequence length ``T``."""
+
+    kind: str  # "shift" | "scale" | "fixed"
+    value: int
+
+    def size(self, T: int, old: int) -> int:
+        if self.kind == "shift":
+            return T + self.value
+        if self.kind == "scale":
+            return self.value * T
+        return old
+
+
+Facts = Mapping[str, tuple[Optional[DimFact], ...]]
+
+
+def time_facts(gm: fx.GraphModule, tl: Any, T: Optional[int] = None) -> dict[str, tuple[Optional[DimFact], ...]]:
+    """Facts for every tensor node of ``gm`` from the time analysis ``tl`` (see module doc)."""
+    T = int(T or tl.seq_len)
+    out: dict[str, tuple[Optional[DimFact], ...]] = {}
+    for node in gm.graph.nodes:
+        shp = shape_of(node)
+        if shp is None or node.name not in tl.info:
+            continue
+        tdims = set(tl.info[node.name].time_dims)
+        nd = tl.dims.dims_of(node)
+        facts: list[Optional[DimFact]] = []
+        for i, s in enumerate(shp):
+            if i not in tdims:
+                facts.append(None)
+                continue
+            labels = nd.dims[i] if nd is not None and i < len(nd.dims) else frozenset()
+            classes = {tl.dims.canon(l) for l in labels}
+            merged = any(c != tl.time_class for c in classes)
+            if merged:
+                facts.append(DimFact("scale", s // T) if T and s % T == 0 else DimFact("fixed", s))
+            elif T and 2 * s >= T:
+                facts.append(DimFact("shift", s - T))
+            else:
+                facts.append(DimFact("fixed", s))
+        out[node.name] = tuple(facts)
+    return out
+
+
+def expected_shape(old: Sequence[int], facts: Sequence[Optional[DimFact]], T: int) -> tuple[int, ...]:
+    """The shape a node with ``facts`` has at length ``T``."""
+    return tuple(f.size(T, s) if f is not None else s for s, f in zip(old, facts))
+
+
+# --------------------------------------------------------------------------- argument rewriting
+
+
+class _Rewriter:
+    def __init__(self, facts: Facts, T_old: int, T_new: int) -> None:
+        self.facts, self.T_old, self.T_new = facts, T_old, T_new
+
+    def out_facts(self, node: fx.Node) -> tuple[Optional[DimFact], ...]:
+        return self.facts.get(node.name, ())
+
+    def new_size(self, node: fx.Node, dim: int, old: int) -> int:
+        f = self.out_facts(node)
+        if dim < len(f) and f[dim] is not None and old != -1:
+            return f[dim].size(self.T_new, old)
+        return old
+
+    def in_sizes(self, src: Any, dim: int) -> tuple[int, int, Optional[DimFact]]:
+        shp = shape_of(src) or ()
+        f = self.facts.get(src.name, ()) if isinstance(src, fx.Node) else ()
+        dim = dim % max(len(shp), 1)
+        old = shp[dim] if dim < len(shp) else 0
+        fact = f[dim] if dim < len(f) else None
+        new = fact.size(self.T_new, old) if fact is not None else old
+        return old, new, fact
+
+    # -- per-op handlers -------------------------------------------------
+
+    def sizes(self, node: fx.Node, index: int, offset: int = 0) -> tuple:
+        args = list(node.args)
+        lst = list(args[index])
+        args[index] = [self.new_size(node, i + offset, v) if isinstance(v, int) else v for i, v in enumerate(lst)]
+        return tuple(args)
+
+    def unflatten(self, node: fx.Node) -> tuple:
+        dim = node.args[1] % len(shape_of(node.args[0]) or (1,))
+        return self.sizes(node, 2, dim)
+
+    def table_window(self, node: fx.Node, dim: int, start: Any, length: Any) -> Optional[int]:
+        """The new length of a window ``[start, start + length)`` cut along ``dim`` from a tensor
+        with no time dim there when the output runs along time (``cos_cached[:t]``: a table cut
+        to the sequence length), else None. A table too short for the new length makes the
+        output shape wrong, which the verification reports."""
+        f = self.out_facts(node)
+        shp = shape_of(node) or ()
+        dim = dim % max(len(shp), 1)
+        if dim >= len(f) or f[dim] is None or f[dim].kind != "shift" or not isinstance(length, int):
+            return None
+        if dim >= len(shp) or length != shp[dim] or not isinstance(start, int) or start < 0:
+            return None
+        return f[dim].size(self.T_new, length)
+
+    def slice(self, node: fx.Node) -> tuple:
+        args = list(node.args) + [None] * (5 - len(node.args))
+        src, dim, start, end, step = args[:5]
+        dim = 0 if dim is None else dim
+        old, new, fact = self.in_sizes(src, dim)
+        if fact is None and step in (None, 1) and isinstance(end, int):
+            first = 0 if start is None else start
+            length = self.table_window(node, dim, first, end - first)
+            if length is not None:
+                args[3] = first + length
+                return tuple(args[: max(len(node.args), 4)])
+        if fact is None or fact.kind == "fixed" or old == new:
+            return tuple(node.args)
+        delta = new - old
+        start = 0 if start is None else start
+        if start > 0 and 2 * start >= old:
+            start += delta  # counted from the end
+        if end is not None and 0 <= end < old and 2 * end >= old:
+            end += delta
+        elif end is not None and end >= old:
+            end = new if end < 2**62 else end
+        args[2], args[3] = start, end
+        return tuple(args[: max(len(node.args), 4)])
+
+    def narrow(self, node: fx.Node) -> tuple:
+        src, dim, start, length = node.args
+        old, new, fact = self.in_sizes(src, dim)
+        if fact is None:
+            window = self.table_window(node, dim, start, length)
+            if window is not None:
+                return (src, dim, start, window)
+        if fact is None or fact.kind == "fixed" or old == new:
+            return tuple(node.args)
+        out = self.new_size(node, dim % len(shape_of(node) or (1,)), length)
+        if start > 0 and 2 * start >= old:
+            start += new - old
+        return (src, dim, start, out)
+
+    def select(self, node: fx.Node) -> tuple:
+        src, dim, index = node.args
+        old, new, fact = self.in_sizes(src, dim)
+        if fact is None or fact.kind == "fixed" or index < 0 or 2 * index < old:
+            return tuple(node.args)
+        return (src, dim, index + new - old)
+
+    def arange(self, node: fx.Node) -> tuple:
+        f = self.out_facts(node)
+        if not f or f[0] is None:
+            return tuple(node.args)
+        old_len = (shape_of(node) or (0,))[0]
+        new_len = f[0].size(self.T_new, old_len)
+        args = list(node.args)
+        if node.target is aten.arange.default:
+            args[0] = new_len
+        else:
+            start = args[0]
+            step = args[2] if len(args) > 2 else 1
+            args[1] = start + new_len * step
+        return tuple(args)
+
+
+_SIZE_ARG: dict[Any, int] = {
+    aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
+    aten.expand.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1,
+    aten.new_empty.default: 1, aten.new_full.default: 1, aten.zeros.default: 0,
+    aten.ones.default: 0, aten.empty.memory_format: 0, aten.full.default: 0,
+    aten.rand.default: 0, aten.randn.default: 0, aten.broadcast_to.default: 1,
+}
+_HANDLERS: dict[Any, Callable[[_Rewriter, fx.Node], tuple]] = {
+    aten.unflatten.int: _Rewriter.unflatten,
+    aten.slice.Tensor: _Rewriter.slice,
+    aten.narrow.default: _Rewriter.narrow,
+    aten.select.int: _Rewriter.select,
+    aten.arange.default: _Rewriter.arange,
+    aten.arange.start: _Rewriter.arange,
+    aten.arange.start_step: _Rewriter.arange,
+}
+# Ops whose time-carrying outputs cannot be re-specialised from their arguments.
+_REFUSE = {aten.as_strided.default, aten.empty_strided.default, aten.split_with_sizes.default,
+           aten.tensor_split.sections, aten.tensor_split.indices, aten.lift_fresh_copy.default,
+           aten.lift_fresh.default}
+
+
+def _symint_args_suspicious(node: fx.Node, T_old: int) -> bool:
+    """Unhandled integer size arguments equal to the captured length (whole-graph mode)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for arg, val in zip(schema.arguments, node.args):
+        t = str(arg.type)
+        if "SymInt" in t or t in ("Scalar", "float", "int"):
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            for v in vals:
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v in (T_old, 1.0 / T_old) and T_old > 1:
+                    return True
+    return False
+
+
+def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
+                 strict_scalars: bool = False, module_outputs: Optional[Callable[[fx.Node, list], Any]] = None,
+                 ) -> fx.GraphModule:
+    """A copy of ``gm`` for sequence length ``T_new`` (verified; see the module doc).
+
+    ``strict_scalars``: refuse graphs with unhandled integer/scalar arguments equal to
+    ``T_old`` (used for whole programs, where e.g. a baked ``1/T`` would be wrong).
+    ``module_outputs(node, args)`` produces fake outputs for ``call_module`` nodes during
+    verification (default: call the module under the fake mode).
+    """
+    rw = _Rewriter(facts, T_old, T_new)
+    new_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            f = facts.get(node.name, ())
+            timed = any(x is not None and x.kind != "fixed" for x in f)
+            in_timed = any(any(x is not None and x.kind != "fixed" for x in facts.get(a.name, ())) for a in node.all_input_nodes)
+            if node.target in _REFUSE and timed:
+                raise RespecializeError(f"node `{node.name}` ({node.target}) has a time-carrying output built from baked data")
+            if node.target in _SIZE_ARG:
+                args = rw.sizes(node, _SIZE_ARG[node.target]) if timed else tuple(node.args)
+            elif node.target in _HANDLERS and (timed or in_timed):
+                args = _HANDLERS[node.target](rw, node)
+            else:
+                if strict_scalars and (timed or in_timed) and _symint_args_suspicious(node, T_old):
+                    raise RespecializeError(
+                        f"node `{node.name}` ({node.target}) has an argument equal to the captured length {T_old}")
+                args = tuple(node.args)
+            new = new_graph.create_node(node.op, node.target, fx.node.map_arg(args, lambda a: env[a]),
+                                        fx.node.map_arg(node.kwargs, lambda a: env[a]), name=node.name)
+        else:
+            new = new_graph.node_copy(node, lambda a: env[a])
+        new.meta = dict(node.meta)
+        env[node] = new
+    out = fx.GraphModule(gm, new_graph, gm.__class__.__name__)
+    fake_propagate(out, facts, T_new, module_outputs=module_outputs)
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Any:
+    """A node that fails at the new length is a refusal reported as :class:`RespecializeError`;
+    torch also logs the failing meta kernel at error level, which is noise here."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
+                   inputs: Optional[Sequence[torch.Tensor]] = None,
+                   module_outputs: Optional[Callable[[fx.Node, list], Any]] = None) -> None:
+    """Run ``gm`` on fake tensors at length ``T_new``; check every shape; refresh ``meta['val']``
+    (placeholders included)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    env: dict[fx.Node, Any] = {}
+    with mode, _quiet_fake_tensor_errors():
+        for i, node in enumerate(gm.graph.nodes):
+            if node.op == "placeholder":
+                old = node.meta.get("val")
+                if not isinstance(old, torch.Tensor):
+                    env[node] = old
+                    continue
+                shape = expected_shape(old.shape, facts.get(node.name, ()), T_new)
+                env[node] = torch.empty(shape, dtype=old.dtype, device=old.device).requires_grad_(old.requires_grad)
+                node.meta["val"] = env[node]  # analyses of the new graph read its inputs' shapes here
+                continue
+            if node.op == "output":
+                continue
+            args = fx.node.map_arg(node.args, lambda a: env[a])
+            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+            try:
+                if node.op == "call_function":
+                    val = node.target(*args, **kwargs)
+                elif node.op == "get_attr":
+                    val = operator.attrgetter(node.target)(gm)
+                elif node.op == "call_module":
+                    val = module_outputs(node, list(args)) if module_outputs else gm.get_submodule(node.target)(*args, **kwargs)
+                else:
+                    val = getattr(args[0], node.target)(*args[1:], **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported as a refusal
+                raise RespecializeError(f"node `{node.name}` fails at length {T_new}: {type(exc).__name__}: {exc}") from exc
+            env[node] = val
+            old = node.meta.get("val")
+            if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor):
+                want = expected_shape(old.shape, facts.get(node.name, ()), T_new)
+                if tuple(val.shape) != want:
+                    raise RespecializeError(
+                        f"node `{node.name}` ({getattr(node.target, '__name__', node.target)}) has shape "
+                        f"{tuple(val.shape)} at length {T_new}, expected {want}")
+                node.meta["val"] = val
+            elif node.op == "call_function" and val is not None:
+                node.meta["val"] = val
