@@ -3,11 +3,18 @@
 Predictions (``first_step_*``: the steady step plus the compile, fitted per length regime) are
 checked against ``gs.measure`` of a fresh compiled module's first step. Allocated bytes and
 FLOPs are deterministic counts; the peak moves by a few KiB with garbage collection.
+
+A first step is measured in a fresh process: inside the whole suite, caches other tests warmed
+(dispatch, fake-tensor and compile caches) shrink what a first call allocates, so the three
+measured checks run in a child pytest (``test_first_step_predictions_in_a_fresh_process``).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import sympy
@@ -21,6 +28,16 @@ from gradshard.examples import factories as F
 from gradshard.plans import get_plan
 
 TOL = 0.10
+FRESH = os.environ.get("GS_FIRST_STEP_FRESH_PROCESS") == "1"
+
+
+def test_first_step_predictions_in_a_fresh_process() -> None:
+    if FRESH:
+        return
+    env = dict(os.environ, GS_FIRST_STEP_FRESH_PROCESS="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "within_ten_percent"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "3 passed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
 
 
 def _check(report, factory, plan: str, options: dict, seq_len: int, batch: int = 2) -> None:
@@ -50,12 +67,14 @@ def test_chunked_compile_regimes_bend_at_six_chunks_and_at_the_probe() -> None:
     assert compile_regimes("none", get_plan("none").make_options(), get_rule("none")) == [(0, math.inf)]
 
 
+@pytest.mark.skipif(not FRESH, reason="measured in a fresh process (test_first_step_predictions_in_a_fresh_process)")
 def test_ssm_seco_first_step_within_ten_percent(ssm_seco) -> None:
     assert set(FIRST_STEP_QUANTITIES) <= set(ssm_seco.expressions)
     assert isinstance(ssm_seco.expressions["compile_allocated_bytes"], sympy.Piecewise)
     _check(ssm_seco, F.ssm, "seco", {"chunk_size": 8}, 56)
 
 
+@pytest.mark.skipif(not FRESH, reason="measured in a fresh process (test_first_step_predictions_in_a_fresh_process)")
 def test_ssm_seco_first_step_served_from_the_probe_within_ten_percent(ssm_seco) -> None:
     """T=151 > 2 x 67: the first call compiles at the probe and serves 151 (the last regime)."""
     _check(ssm_seco, F.ssm, "seco", {"chunk_size": 8}, 151)
@@ -63,6 +82,7 @@ def test_ssm_seco_first_step_served_from_the_probe_within_ten_percent(ssm_seco) 
     assert added["allocated_bytes"]["added"] == ssm_seco.evaluate(seq_len=151, batch=2)["compile_allocated_bytes"]
 
 
+@pytest.mark.skipif(not FRESH, reason="measured in a fresh process (test_first_step_predictions_in_a_fresh_process)")
 def test_attention_model_first_step_within_ten_percent() -> None:
     target, inputs = F.llama(seq_len=32)
     report = gs.cost(target, "none", example_inputs=inputs)
