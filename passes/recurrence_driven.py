@@ -16,15 +16,16 @@ from __future__ import annotations
 import torch.fx as fx
 
 from gradshard.analysis.locality import analyze_time_locality
-from gradshard.errors import UnsupportedGraphError, node_error
+from gradshard.errors import node_error
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
 from gradshard.passes.loop_chains import LoopChain, find_loops
 from gradshard.passes.loop_driven import Refusal, analyse_driven_loop
 from gradshard.passes.loop_driven_emit import emit_driven_loop
 from gradshard.passes.loop_driven_proof import check_rolled_loop, snapshot_loop
-from gradshard.passes.loop_steps import CARRY_HINT, check_isomorphic
-from gradshard.passes.loop_tail import align_last_step, complete_last_step
+from gradshard.passes.loop_steps import CARRY_HINT
+from gradshard.passes.loop_tail import complete_last_step
+from gradshard.passes.roll_loops import pick_repeating_cut
 
 __all__ = ["roll_driven_loops"]
 
@@ -37,16 +38,10 @@ def _carries_several(chain: LoopChain) -> bool:
 def _repeating_cut(gm: fx.GraphModule, chain: LoopChain) -> tuple[LoopChain | None, int]:
     """The cut of ``chain`` into steps that repeat the same ops (its last step completed in
     place when it was cut short), and how many ops the completion added; None if neither does."""
-    for cut in (chain, chain.alternative):
-        if cut is None:
-            continue
-        aligned = align_last_step(cut)
-        try:
-            check_isomorphic(cut, precheck=False, last_aligned=aligned is not None)
-        except UnsupportedGraphError:
-            continue
-        return cut, complete_last_step(gm, cut, aligned) if aligned is not None else 0
-    return None, 0
+    cut, aligned, found = pick_repeating_cut(chain)
+    if not found:
+        return None, 0
+    return cut, complete_last_step(gm, cut, aligned) if aligned is not None else 0
 
 
 @graph_pass

@@ -34,12 +34,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from gradshard.analysis.dims import shape_of
 
 aten = torch.ops.aten
 
-__all__ = ["DimFact", "Facts", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate"]
+__all__ = ["DimFact", "Facts", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate",
+           "call_length", "cut_call"]
 
 
 class RespecializeError(RuntimeError):
@@ -345,3 +347,48 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 node.meta["val"] = val
             elif node.op == "call_function" and val is not None:
                 node.meta["val"] = val
+
+
+def call_length(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args: tuple,
+                kwargs: dict) -> Optional[int]:
+    """The time length of a call whose inputs differ from ``cap``'s example inputs only along
+    their time dims (``time_inputs``: placeholder name -> time dim of ``graph``'s inputs), or
+    None when anything else differs (structure, dtype, rank, device, ``requires_grad``, another
+    size, a constant argument) or no input carries time."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if spec != cap.input_spec:
+        return None
+    new = [leaves[i] for i in cap.tensor_positions]
+    old = cap.example_inputs[cap.num_state:]
+    phs = list(graph.find_nodes(op="placeholder"))[cap.num_state:]
+    if len(new) != len(old) or len(phs) != len(old):
+        return None
+    T_new: Optional[int] = None
+    for t, o, ph in zip(new, old, phs):
+        if (not isinstance(t, torch.Tensor) or t.dtype != o.dtype or t.dim() != o.dim() or t.device != o.device
+                or t.requires_grad != o.requires_grad):
+            return None
+        td = time_inputs.get(ph.name)
+        for d, (a, b) in enumerate(zip(t.shape, o.shape)):
+            if d == td:
+                if T_new is not None and T_new != int(a):
+                    return None
+                T_new = int(a)
+            elif a != b:
+                return None
+    for i, leaf in enumerate(leaves):
+        if i not in cap.tensor_positions and leaf is not cap.constant_leaves[i] and leaf != cap.constant_leaves[i]:
+            return None
+    return T_new
+
+
+def cut_call(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args: tuple, kwargs: dict,
+             length: int) -> tuple[tuple, dict]:
+    """The call's inputs cut to their first ``length`` steps along their time dims."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    phs = list(graph.find_nodes(op="placeholder"))[cap.num_state:]
+    for pos, ph in zip(cap.tensor_positions, phs):
+        td = time_inputs.get(ph.name)
+        if td is not None:
+            leaves[pos] = leaves[pos].narrow(td, 0, length)
+    return pytree.tree_unflatten(leaves, spec)

@@ -57,7 +57,7 @@ from gradshard.passes.loop_tail import align_last_step, complete_last_step
 __all__ = ["roll_loops", "roll_loops_carrying", "find_loops", "LoopChain"]
 
 
-def _pick_cut(chain: LoopChain) -> tuple[LoopChain, Optional[list], bool]:
+def pick_repeating_cut(chain: LoopChain) -> tuple[LoopChain, Optional[list], bool]:
     """The first cut of the loop into steps (``find_loops`` offers two) whose steps repeat the
     same ops, a last step cut short allowed: ``(chain, aligned last step or None, found)``."""
     for cut in (chain, chain.alternative):
@@ -82,7 +82,7 @@ def _roll_one(gm: fx.GraphModule, chain: LoopChain, index: int, carry: bool) -> 
     """Roll one loop of ``gm`` in place; return the note for the pass record.
 
     ``carry``: a loop without a linear update becomes a carried loop (else: an error)."""
-    chain, aligned, repeats = _pick_cut(chain)
+    chain, aligned, repeats = pick_repeating_cut(chain)
     tail = ""
     if aligned is not None:
         added = complete_last_step(gm, chain, aligned)

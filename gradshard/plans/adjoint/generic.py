@@ -26,9 +26,9 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from gradshard.ir import PassRecord
+from gradshard.passes.respecialize import call_length, cut_call
 from gradshard.plans.adjoint.respecialize import RespecializeError, expected_shape, respecialize
 
 __all__ = ["install_length_generic", "serve_new_length"]
@@ -59,32 +59,7 @@ def _new_length(entry: Any, args: tuple, kwargs: dict) -> Optional[int]:
     gm = entry.gm
     if cap is None or not hasattr(gm, "gs_time_facts"):
         return None
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    if spec != cap.input_spec:
-        return None
-    new = [leaves[i] for i in cap.tensor_positions]
-    old = cap.example_inputs[cap.num_state:]
-    phs = list(gm.graph.find_nodes(op="placeholder"))[cap.num_state:]
-    if len(new) != len(old) or len(phs) != len(old):
-        return None
-    T_new: Optional[int] = None
-    for t, o, ph in zip(new, old, phs):
-        if not isinstance(t, torch.Tensor) or t.dtype != o.dtype or t.dim() != o.dim() or t.device != o.device:
-            return None
-        if t.requires_grad != o.requires_grad:
-            return None
-        td = gm.gs_time_inputs.get(ph.name)
-        for d, (a, b) in enumerate(zip(t.shape, o.shape)):
-            if d == td:
-                if T_new is None:
-                    T_new = int(a)
-                elif T_new != int(a):
-                    return None
-            elif a != b:
-                return None
-    for i, leaf in enumerate(leaves):
-        if i not in cap.tensor_positions and leaf is not cap.constant_leaves[i] and leaf != cap.constant_leaves[i]:
-            return None
+    T_new = call_length(cap, gm.graph, gm.gs_time_inputs, args, kwargs)
     if T_new is None or T_new == gm.gs_seq_len or T_new < 1:
         return None
     return T_new
@@ -129,15 +104,7 @@ def _respecialize_entry(entry: Any, T_new: int) -> Any:
 
 
 def _slice_time(args: tuple, kwargs: dict, entry: Any, length: int) -> tuple[tuple, dict]:
-    cap = entry.captured
-    gm = entry.gm
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    phs = list(gm.graph.find_nodes(op="placeholder"))[cap.num_state:]
-    for pos, ph in zip(cap.tensor_positions, phs):
-        td = gm.gs_time_inputs.get(ph.name)
-        if td is not None:
-            leaves[pos] = leaves[pos].narrow(td, 0, length)
-    return pytree.tree_unflatten(leaves, spec)
+    return cut_call(entry.captured, entry.gm.graph, entry.gm.gs_time_inputs, args, kwargs, length)
 
 
 def _probe_ok(cm: Any, entry: Any, args: tuple, kwargs: dict, T_new: int) -> bool:

@@ -36,14 +36,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gradshard.analysis.dims import shape_of
 from gradshard.errors import GradshardError
 from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
-from gradshard.passes.respecialize import RespecializeError, respecialize, time_facts
+from gradshard.passes.respecialize import RespecializeError, call_length, cut_call, respecialize, time_facts
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 
 __all__ = ["PROBE_LENGTH", "LengthGeneric", "record_length_generic", "serve_new_length"]
@@ -116,30 +115,7 @@ def _new_length(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict) -> Opt
     cap = entry.captured
     if cap is None:
         return None
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    if spec != cap.input_spec:
-        return None
-    new = [leaves[i] for i in cap.tensor_positions]
-    old = cap.example_inputs[cap.num_state:]
-    phs = list(lg.graph.graph.find_nodes(op="placeholder"))[cap.num_state:]
-    if len(new) != len(old) or len(phs) != len(old):
-        return None
-    T_new: Optional[int] = None
-    for t, o, ph in zip(new, old, phs):
-        if (not isinstance(t, torch.Tensor) or t.dtype != o.dtype or t.dim() != o.dim() or t.device != o.device
-                or t.requires_grad != o.requires_grad):
-            return None
-        td = lg.time_inputs.get(ph.name)
-        for d, (a, b) in enumerate(zip(t.shape, o.shape)):
-            if d == td:
-                if T_new is not None and T_new != int(a):
-                    return None
-                T_new = int(a)
-            elif a != b:
-                return None
-    for i, leaf in enumerate(leaves):
-        if i not in cap.tensor_positions and leaf is not cap.constant_leaves[i] and leaf != cap.constant_leaves[i]:
-            return None
+    T_new = call_length(cap, lg.graph.graph, lg.time_inputs, args, kwargs)
     if T_new is None or T_new == lg.seq_len or T_new < 2:
         return None
     return T_new
@@ -147,14 +123,7 @@ def _new_length(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict) -> Opt
 
 def _cut(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, length: int) -> tuple[tuple, dict]:
     """The call's inputs cut to their first ``length`` steps along their time dims."""
-    cap = entry.captured
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    phs = list(lg.graph.graph.find_nodes(op="placeholder"))[cap.num_state:]
-    for pos, ph in zip(cap.tensor_positions, phs):
-        td = lg.time_inputs.get(ph.name)
-        if td is not None:
-            leaves[pos] = leaves[pos].narrow(td, 0, length)
-    return pytree.tree_unflatten(leaves, spec)
+    return cut_call(entry.captured, lg.graph.graph, lg.time_inputs, args, kwargs, length)
 
 
 def _generic_passes(plan: str) -> list[Any]:
