@@ -132,3 +132,21 @@ def test_saved_recorder_sees_a_backward_by_its_unpacks() -> None:
         assert forward_only.unpacked == both.unpacked == 0 and forward_only.activation_bytes == 28
         y.backward()  # ExpBackward unpacks its saved output
     assert forward_only.unpacked == both.unpacked == 1
+
+
+def test_saved_recorder_ignores_a_trace_inside_the_step() -> None:
+    """A plan may capture its graph inside the measured step (its first call): the fake tensors
+    autograd saves while the trace runs are not memory and have no address to settle, and the
+    fake activations it makes are not live bytes."""
+    from gradshard.capture.trace import capture
+
+    lin = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Sigmoid())
+    long = torch.randn(4096, 5)
+    tracker = LiveTensorTracker(count_fake=False)  # as gs.measure
+    recorder = SavedTensorRecorder(tracker, settle_by_address=True)  # as under compiled code
+    with tracker, record_saved(recorder):
+        capture(lin, (long,))
+        y = lin(torch.randn(3, 5)).exp().sum()
+    assert recorder.total_bytes > 0 and recorder.settle(set()) == 0
+    assert 0 < tracker.peak_bytes < long.nbytes
+    y.backward()

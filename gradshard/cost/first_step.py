@@ -3,15 +3,16 @@
 The first call of ``gs.compile(model, plan)`` compiles before it steps: capture on fake
 tensors, the plan's passes (time analysis, the chunk planner's dry run, the re-specialiser's
 shape propagation, all on fake tensors; the adjoint self-check on *real* tensors), the cost
-replays of the schedule (meta tensors: FLOPs, no bytes). ``gs.measure`` counts every storage
-dispatched on the device, fake tensors included, and every FLOP, so its first step is
+replays of the schedule (meta tensors: FLOPs, no bytes). ``gs.measure`` counts every real
+storage dispatched on the device (a trace's fake tensors are no memory) and every FLOP, so
+its first step is
 
     allocated(first) = allocated(steady) + compile_allocated
     flops(first)     = flops(steady)     + compile_flops
     peak(first)      = Max(compile_peak, compile_retained + peak(steady))
 
-where ``compile_retained`` is what the compile leaves alive into the step (the captured and
-rewritten graphs keep a fake tensor per node). The steady terms are the report's own; the
+where ``compile_retained`` is what the compile leaves alive into the step (real tensors the
+passes keep: self-check results, cached constants). The steady terms are the report's own; the
 compile terms are fitted, like every other cost, to probes in ``B`` and ``T`` — each probe
 measures its module's first step split at the end of the compile
 (:class:`~gradshard.cost.probe.FirstStepSample`), and the probe decomposition above holds

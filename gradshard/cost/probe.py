@@ -294,11 +294,12 @@ def _first_step(cm: Any, step: Callable[..., torch.Tensor] | None, inputs: tuple
 
     The compile is :meth:`CompiledModule.compile_first`, what ``cm(*inputs)`` runs on a cache
     miss, with ``real_values`` for the passes on fake-tensor probes. Counted as
-    :func:`gradshard.measure.measure` counts a first step: every storage dispatched on the
-    device, the capture's and the passes' fake tensors included, with the garbage collector
-    held off (:func:`collector_held`).
+    :func:`gradshard.measure.measure` counts a real first step: every real storage dispatched on
+    the device, no fake tensor of the compile (its traces allocate nothing), and every FLOP, with
+    the garbage collector held off (:func:`collector_held`). On a fake probe the step after the
+    compile runs on fake tensors that stand for real ones, so they count again from there.
     """
-    tracker = LiveTensorTracker(device=device)
+    tracker = LiveTensorTracker(device=device, count_fake=False)
     flops = StepFlopCounter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(collector_held())
@@ -309,6 +310,7 @@ def _first_step(cm: Any, step: Callable[..., torch.Tensor] | None, inputs: tuple
             compile_peak, compile_alloc = tracker.peak_bytes, tracker.allocated_bytes
             compile_flops, retained = flops.get_total_flops(), tracker.live_bytes
             if step is not None:
+                tracker.set_count_fake(real_values is not None)
                 step(*inputs)
     return FirstStepSample(peak_bytes=tracker.peak_bytes, allocated_bytes=tracker.allocated_bytes,
                            flops=flops.get_total_flops(), compile_peak_bytes=compile_peak,

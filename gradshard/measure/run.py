@@ -95,7 +95,7 @@ def measure(
         # counts only storages allocated in the step, so it does not need this.
         gc.collect()
     trace = CpuAllocatorTrace(dev) if compiled_code_may_run() else None
-    tracker = LiveTensorTracker(device=dev, force_eager=False)
+    tracker = LiveTensorTracker(device=dev, count_fake=False, force_eager=False)
     recorder = SavedTensorRecorder(tracker, settle_by_address=trace is not None)
     flop_counter = StepFlopCounter()
     cuda_peak = CudaPeak(dev) if dev.type == "cuda" else None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -154,6 +155,9 @@ class LiveTensorTracker(TorchDispatchMode):
 
     ``device``: count only storages on this device (``None``: all devices except ``meta``).
     ``timeline``: record a :class:`LiveSample` after every op (costs a list append per op).
+    ``count_fake``: count fake tensors (the cost model's probes run on them); ``False`` when the
+    region runs real tensors, so a trace inside it (a plan capturing its graph on a first call)
+    adds no bytes. :meth:`set_count_fake` changes it mid-region.
     ``force_eager``: run ``torch.compile``'d code eagerly while active
     (``torch.compiler.set_stance("force_eager")``), so every op it runs is seen. Compiled code
     runs compiled again after exit. With ``force_eager=False`` compiled code runs compiled:
@@ -176,12 +180,14 @@ class LiveTensorTracker(TorchDispatchMode):
         *,
         device: torch.device | str | None = None,
         timeline: bool = False,
+        count_fake: bool = True,
         force_eager: bool = True,
     ):
         super().__init__()
         self._force_eager = force_eager
         self._stance: Any = None
         self._device = None if device is None else torch.device(device)
+        self._count_fake = count_fake
         self.counts_tensor: Callable[[torch.Tensor], bool] = self._make_device_predicate()
         """``tensor -> bool``: whether the tensor's device is counted (a fast per-op test)."""
         self._record_timeline = timeline
@@ -398,8 +404,20 @@ class LiveTensorTracker(TorchDispatchMode):
                 self._samples.append((func, self._live, phase))
         del storages
 
+    def set_count_fake(self, count_fake: bool) -> None:
+        """Count fake tensors from now on, or stop counting them (storages already counted stay
+        counted until freed)."""
+        self._count_fake = count_fake
+        self.counts_tensor = self._make_device_predicate()
+
     def _make_device_predicate(self) -> Callable[[torch.Tensor], bool]:
         """A fast ``tensor -> counted?`` test (called for every op output)."""
+        on_device = self._make_on_device_predicate()
+        if self._count_fake:
+            return on_device
+        return lambda t: on_device(t) and not is_fake(t)
+
+    def _make_on_device_predicate(self) -> Callable[[torch.Tensor], bool]:
         device = self._device
         if device is None:
             return lambda t: not t.is_meta
