@@ -20,11 +20,16 @@ demo: $(STAMP)
 
 # The default suite skips tests marked `slow` (the full cost-model validation matrix, ~25 min
 # on 2 cores); `make test-all` runs everything.
+# WORKERS pytest-xdist processes (one thread each), a file per worker at a time: module
+# fixtures are built once per file.
+WORKERS ?= 2
+XDIST   := -n $(WORKERS) --dist loadfile
+
 test: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST)
 
 test-all: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider $(XDIST)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow" tests/core

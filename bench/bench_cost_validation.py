@@ -188,9 +188,9 @@ def _first_step_lines(rows: list[dict]) -> list[str]:
     lines = ["", "### First step (compile included)", "",
              "Predicted: the report's ``first_step_*`` (the steady step plus the compile the first call runs, "
              "fitted per length regime: `gradshard.cost.first_step`). Measured: ``gs.measure`` of a fresh "
-             "compiled module's first step, which counts every storage dispatched on the device, the capture's "
-             "and the passes' fake tensors included (the allocator sees those as nothing), and every FLOP "
-             "(the schedule's cost replays and the chunk planner's dry run included). Allocated bytes and "
+             "compiled module's first step, which counts every real storage dispatched on the device (the "
+             "capture's and the passes' fake tensors are no memory and are not counted) and every FLOP "
+             "(the traces', the schedule's cost replays and the chunk planner's dry run included). Allocated bytes and "
              f"FLOPs are deterministic; the peak moves by a few KiB with garbage collection. Tolerance "
              f"{FIRST_TOL:.0%}.", "",
              "| plan | examples | points | worst peak err | worst allocated err | worst FLOPs err | within tolerance |",

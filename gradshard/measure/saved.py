@@ -27,7 +27,6 @@ from collections.abc import Collection
 
 import torch
 from torch._C import DispatchKey
-from torch._subclasses.fake_tensor import is_fake
 
 from .tracker import LiveTensorTracker, StorageRef, graph_task_id, storage_of
 
@@ -111,9 +110,9 @@ def _pack_saved(t: torch.Tensor) -> torch.Tensor:
     # Only the innermost saved_tensors_hooks pair is called, so one call records for every
     # enclosing recorder on this thread. Returning a detached alias (not ``t`` itself) avoids a
     # reference cycle grad_fn -> packed output -> grad_fn that would keep outputs alive.
-    # Saves made inside backward (recomputation) are transient; saves of fake tensors are a
-    # trace's (a plan capturing its graph inside the measured step), not memory.
-    if graph_task_id() == -1 and not is_fake(t):
+    # Saves made inside backward (recomputation) are transient. A fake tensor counts when the
+    # recorder's tracker counts it (``count_fake``: a probe's, not a trace's inside a real step).
+    if graph_task_id() == -1:
         for recorder in active_saved_recorders():
             recorder.add(t)
     if type(t) is torch.Tensor:
