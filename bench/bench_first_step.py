@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for plan in args.capture_plans.split(","):
             if plan in RECURRENT_PLANS and not MODELS.get(name, True):
                 continue
-            for T in map(int, args.capture_lens.split(",")):
+            for T in map(int, filter(None, args.capture_lens.split(","))):  # "": no capture table
                 captures.append(_in_worker(time_specialize, name, plan, T))
                 print(captures[-1], flush=True)
     body = report(cells, captures)
