@@ -207,6 +207,7 @@ class CompiledModule(nn.Module):
                 # a served entry carries a new graph: schedule it, so `program` and
                 # `explain()` describe what runs, not the program it was derived from
                 entry = dataclasses.replace(entry, program=build_program(entry.gm))
+                self._attach(entry)
                 self._remember(key, entry)
                 return entry
         return None
@@ -256,6 +257,13 @@ class CompiledModule(nn.Module):
             return False
         return True
 
+    def _attach(self, entry: CompiledGraph) -> None:
+        """Let a rewritten graph attach what it adds to this module (``gm.gs_attach``:
+        partial_update's sliced parameters), whether captured or served."""
+        hook = getattr(entry.gm, "gs_attach", None)
+        if callable(hook):
+            hook(self)
+
     def _remember(self, key: tuple, entry: CompiledGraph) -> None:
         """Cache ``entry`` under ``key``; the least recently used entry goes beyond ``cache_size``."""
         if self._cache and key not in self._cache:
@@ -282,9 +290,7 @@ class CompiledModule(nn.Module):
         # not consume the user's random stream, or a seeded first call would differ from eager.
         with torch.random.fork_rng():
             entry = self.compile_at(args, kwargs, real_values=real_values)
-        hook = getattr(entry.gm, "gs_attach", None)
-        if callable(hook):
-            hook(self)
+        self._attach(entry)
         self._remember(key, entry)
         self._last = entry
         return entry

@@ -5,7 +5,7 @@ A captured aten graph has the sequence length ``T`` baked into its integer argum
 this to avoid capturing again: the adjoint runtime recomputes time-local producers on
 windows of other lengths (shards plus halos) and serves a program compiled at one ``T`` at
 another (:mod:`gradshard.plans.adjoint.generic`); the chunked plans serve a new length from
-the graph their length-generic passes left (:mod:`gradshard.plans.chunked.respecialize`).
+the graph their length-generic passes left (:mod:`gradshard.plans.length_generic`).
 This module rewrites those integers.
 
 Time facts (computed once from the time-locality analysis): every output dim that carries

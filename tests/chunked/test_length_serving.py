@@ -1,7 +1,7 @@
 """seco/spaco serve a new sequence length from the graph captured at the probe length (issue 17).
 
 A first call longer than twice the probe (67 steps) is compiled at the probe and served by
-re-specialising the length-generic graph (``gradshard.plans.chunked.respecialize``), verified
+re-specialising the length-generic graph (``gradshard.plans.length_generic``), verified
 by fake-shape propagation and, once, against a real capture one step longer. Gradients are
 checked against eager autograd in float64 at the probe length and at a longer odd length.
 """
@@ -17,8 +17,8 @@ import gradshard.capture as capture_pkg
 from chunk_testing import grads, rel_err
 from chunked_models import CachedRoPEAttention, TokenShift
 from examples.factories import llama, llama_loss, ssm_loop
-from gradshard.plans.chunked import respecialize as chunked_respecialize
-from gradshard.plans.chunked.respecialize import PROBE_LENGTH
+from gradshard.plans import length_generic
+from gradshard.plans.length_generic import PROBE_LENGTH
 
 TOL = 1e-10
 LONG = 151  # odd, longer than twice the probe: a first call at this length compiles at the probe
@@ -119,7 +119,7 @@ def test_a_table_cut_to_the_sequence_length_is_served() -> None:
 
 def test_a_failed_cross_check_captures_at_the_call_length(monkeypatch: pytest.MonkeyPatch,
                                                           captured_lengths: list[int]) -> None:
-    monkeypatch.setattr(chunked_respecialize, "_same_values", lambda want, got: False)
+    monkeypatch.setattr(length_generic, "_same_values", lambda want, got: False)
     torch.manual_seed(0)
     model, (ids,) = llama(seq_len=LONG, batch=2, dtype=torch.float64)
     cm = gs.compile(model, plan="seco", chunk_size=32)
@@ -130,13 +130,13 @@ def test_a_failed_cross_check_captures_at_the_call_length(monkeypatch: pytest.Mo
 
 def test_a_refused_respecialisation_captures_at_the_call_length(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
-        raise chunked_respecialize.RespecializeError("node `x` has shape (2, 3) at length 151, expected (2, 151)")
+        raise length_generic.RespecializeError("node `x` has shape (2, 3) at length 151, expected (2, 151)")
 
     torch.manual_seed(0)
     model, (ids,) = llama(seq_len=LONG, batch=2, dtype=torch.float64)
     cm = gs.compile(model, plan="seco", chunk_size=32)
     cm(ids[:, :PROBE_LENGTH])
-    monkeypatch.setattr(chunked_respecialize, "respecialize", refuse)
+    monkeypatch.setattr(length_generic, "respecialize", refuse)
     _check_exact(cm, model, (ids,))
     assert "respecialized_from" not in cm.current.extras
 
@@ -153,7 +153,7 @@ def test_the_shape_verification_refuses_a_table_too_short_for_the_new_length() -
     lg = cm.current.ctx.plan_state["length_generic"]
     rows = model.layers[0].cos_cached.shape[0]
     with pytest.raises(RespecializeError, match="shape"):
-        chunked_respecialize.respecialize(lg.graph, lg.facts, lg.seq_len, rows + 1, strict_scalars=True)
+        length_generic.respecialize(lg.graph, lg.facts, lg.seq_len, rows + 1, strict_scalars=True)
 
 
 def test_a_shorter_call_after_a_longer_one_is_served_exactly(captured_lengths: list[int]) -> None:

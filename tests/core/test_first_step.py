@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 import gradshard as gs
 from gradshard.examples import factories
@@ -73,17 +74,65 @@ def test_plan_none_on_a_transformers_model_costs_what_eager_costs() -> None:
     assert steady <= 1.1 * eager, (steady, eager)
 
 
-def test_a_loop_written_model_unrolls_the_probe_not_the_sequence_under_seco() -> None:
-    """seco compiles a long first call at the 67-step probe and serves T from its rolled graph:
-    what is captured (nodes) and what the compile allocates do not grow with T."""
+@pytest.mark.parametrize("plan", ["seco"])
+def test_a_loop_written_model_unrolls_the_probe_not_the_sequence(plan: str) -> None:
+    """A long first call compiles at the 67-step probe and is served at T from the rolled graph:
+    what is captured (nodes) and what the compile allocates do not grow with T, and the served
+    program computes what eager computes."""
     nodes, peaks = [], []
     for T in (300, 900):
-        model, (ids,) = factories.ssm_loop(seq_len=T, batch=1, d_model=16, n_layers=1)
-        cm = gs.compile(model, plan="seco", chunk_size=64)
+        model, (ids,) = factories.ssm_loop(seq_len=T, batch=1, d_model=16, n_layers=1, dtype=torch.float64)
+        ref = copy.deepcopy(model)
+        cm = gs.compile(model, plan=plan, **({"chunk_size": 64} if plan == "seco" else {}))
         with CpuAllocatorTrace() as trace:
             entry = cm.compile_first((ids,))
         assert entry.extras.get("respecialized_from") == 67, cm.explain()
         nodes.append(len(entry.original.graph.nodes))
         peaks.append(trace.peak_bytes)
+        cm(ids).pow(2).mean().backward()
+        ref(ids).pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12), name
     assert nodes[0] == nodes[1], nodes
     assert peaks[1] <= peaks[0] + 2**16, peaks
+
+
+@pytest.mark.parametrize("plan", ["none", "partial_update"])
+def test_plain_autograd_plans_serve_every_length_from_the_probe(plan: str) -> None:
+    """none and partial_update compile a long first call at the 67-step probe and serve T by
+    re-specialising it (the same captured graph at T=300 and T=900), computing what eager does;
+    partial_update's sliced parameters come with the served program."""
+    nodes = []
+    for T in (300, 900):
+        model, (ids,) = factories.llama(seq_len=T, batch=2, dtype=torch.float64)
+        ref = copy.deepcopy(model)
+        cm = gs.compile(model, plan=plan)
+        entry = cm.compile_first((ids,))
+        assert entry.extras.get("respecialized_from") == 67, cm.explain()
+        nodes.append(len(entry.original.graph.nodes))
+        cm(ids).pow(2).mean().backward()
+        ref(ids).pow(2).mean().backward()
+        if plan == "partial_update":  # against the plan captured at T itself
+            full = gs.compile(ref, plan=plan)
+            full.specialize((ids,))
+            for q in ref.parameters():
+                q.grad = None
+            full(ids).pow(2).mean().backward()
+            assert cm.parameter_slices() == full.parameter_slices()
+            served, captured = dict(cm.named_parameters()), dict(full.named_parameters())
+            for name in cm.parameter_slices():
+                assert torch.allclose(served[name].grad, captured[name].grad, rtol=1e-10, atol=1e-13), name
+            continue
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13), name
+    assert nodes[0] == nodes[1], nodes
+
+
+def test_plan_none_captures_a_loop_written_model_at_each_length() -> None:
+    """Plain autograd runs a per-step loop as captured, unrolled: that graph is not kept for
+    serving, so a long call is captured at its own length (and is exact)."""
+    model, (ids,) = factories.ssm_loop(seq_len=150, batch=1, d_model=16, n_layers=1, dtype=torch.float64)
+    cm = gs.compile(model, plan="none")
+    entry = cm.compile_first((ids,))
+    assert "respecialized_from" not in entry.extras
+    assert any("unrolled" in note for r in cm.current.records for note in r.notes), cm.explain()

@@ -5,7 +5,7 @@ in docs/DESIGN.md (``seco``, ``spaco``). Both plans share one pipeline; the plan
 whether the backward visits every chunk or a sampled subset (see
 :mod:`gradshard.plans.chunked.runtime`). A first call longer than twice ``PROBE_LENGTH`` is
 compiled at the probe and served by re-specialising the length-generic graph
-(:mod:`gradshard.plans.chunked.respecialize`).
+(:mod:`gradshard.plans.length_generic`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gradshard.passes.recurrence_mlstm import rewrite_chunkwise_mlstm
 from gradshard.passes.roll_loops import roll_loops_carrying
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.chunked.plan import plan_chunk_program
-from gradshard.plans.chunked.respecialize import PROBE_LENGTH, record_length_generic, serve_new_length
+from gradshard.plans.length_generic import PROBE_LENGTH, record_length_generic, serve_new_length
 from gradshard.plans.chunked.rewrite import rewrite_chunked
 from gradshard.plans.registry import register_plan
 

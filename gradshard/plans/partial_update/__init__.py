@@ -15,6 +15,7 @@ from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.simplify_masks import simplify_attention_masks
 from gradshard.plans.partial_update.detect import detect_sliceable_linears
 from gradshard.plans.partial_update.rewrite import rewrite_partial_update
+from gradshard.plans.length_generic import PROBE_LENGTH, record_length_generic, serve_new_length
 from gradshard.plans.registry import register_plan
 
 PASSES = (
@@ -22,6 +23,9 @@ PASSES = (
     simplify_attention_masks,
     # Analysis for cm.regions / explain (non-strict: a model without a time axis is fine).
     annotate_time_locality,
+    # As in plan none: the graph is kept from here (unless it holds an unrolled loop), so another
+    # length is served without a capture; the slicing below is per length.
+    record_length_generic,
     detect_regions,
     # Must see the captured aten.linear / aten.addmm nodes (and the view/split ops after
     # them, which reveal fused projections), so it runs before the rewrite replaces them.
@@ -35,7 +39,8 @@ PASSES = (
     "partial_update", passes=PASSES, gradient="exact on the trainable slice, none elsewhere",
     doc="Train one slice of each MLP / attention input projection per rank (partial updates); "
         "fused qkv / gate_up projections are sliced per block, biases are trained whole.",
-    needs_time_axis=False)
+    needs_time_axis=False, probe_length=PROBE_LENGTH, serve=serve_new_length,
+    probe_until=record_length_generic.name)
 @dataclass(frozen=True)
 class PartialUpdateOptions:
     num_slices: int = 4

@@ -1,15 +1,17 @@
-"""Serve a chunked plan at a new sequence length without capturing again.
+"""Serve a plan at a new sequence length without capturing again.
 
-SeCO/SpaCO capture per input signature, and a model written as a per-step Python loop is
-unrolled ``T`` steps at capture (HF Mamba's slow path took 89 s at T=1024). The chunked
-pipeline is in two parts:
+A plan captures per input signature, and a model written as a per-step Python loop is
+unrolled ``T`` steps at capture (HF Mamba's slow path took 89 s and 8 GB of Python heap at
+T=1024). The pipeline of a plan served this way (seco, spaco, none, partial_update) is in two
+parts, split by :func:`record_length_generic`:
 
-1. *length-generic*: capture, ``simplify_attention_masks``, ``rewrite_delta_rule_blocks``,
-   the time analysis, ``roll_loops_carrying`` (an unrolled loop becomes one scan or one
-   carried loop, whatever the length) and ``canonicalize_recurrences``. What they leave has
-   ``T`` only in integer arguments (view sizes, slice bounds, ``arange`` ends).
-2. *per length*: detection, the chunk planner (``plan_chunk_program``: chunk bounds, cache
-   points, the dry run) and ``rewrite_chunked``, then kernel lowering.
+1. *length-generic*: capture, the mask simplification, the time analysis, the loop rolling
+   (an unrolled loop becomes one scan or one carried loop, whatever the length), and for the
+   chunked plans the recurrence rewrites (``rewrite_delta_rule_blocks``,
+   ``canonicalize_recurrences``). What they leave has ``T`` only in integer arguments (view
+   sizes, slice bounds, ``arange`` ends).
+2. *per length*: detection and the plan's own work (the chunk planner and ``rewrite_chunked``;
+   partial_update's slicing), then kernel lowering.
 
 :func:`record_length_generic` (a pass, between the two parts) keeps a copy of the graph and
 its time facts (:func:`gradshard.passes.respecialize.time_facts`). A first call longer than
@@ -42,6 +44,7 @@ from gradshard.analysis.dims import shape_of
 from gradshard.errors import GradshardError
 from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
+from gradshard.passes.loop_chains import find_loops
 from gradshard.passes.respecialize import RespecializeError, call_length, cut_call, respecialize, time_facts
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 
@@ -85,6 +88,9 @@ def record_length_generic(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, notes=("the inputs have no common time axis of two or more steps: new lengths "
                                      "are captured again",))
     T = lengths.pop()
+    if find_loops(gm, tl):  # plans that run loops as captured (none, partial_update) leave them unrolled
+        return PassResult(gm, notes=(f"the graph holds a per-step loop unrolled {T} times: new lengths are "
+                                     "captured again",))
     facts = time_facts(gm, tl, T)
     for ph in gm.graph.find_nodes(op="placeholder"):
         if ph not in inputs and ph.name in facts:  # parameters, buffers (a RoPE table): same at any length
@@ -228,7 +234,7 @@ def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: d
 
 def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """Specialiser (``CompiledModule.register_specializer``): an entry for inputs that differ
-    from a cached chunked entry only in their time length, or None to capture as usual."""
+    from a cached entry of a length-generic plan only in their time length, or None to capture as usual."""
     for entry in cm.specializations_like(args, kwargs):
         lg = entry.ctx.plan_state.get(STATE_KEY) if entry.ctx is not None else None
         if not isinstance(lg, LengthGeneric) or "short_sequence" in entry.extras:
