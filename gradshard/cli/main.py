@@ -197,8 +197,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global console
-    console = Console()  # per call: the terminal's width now (COLUMNS), not at import time
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console
 
 import gradshard as gs
 from examples.factories import llama
@@ -30,12 +33,12 @@ def test_spaco_stages_say_the_keep_probability() -> None:
     assert len(notes) == 8 and all("kept w.p. 0.25" in n for n in notes)
 
 
-def test_gradshard_show_prints_the_chunk_stages(capsys, monkeypatch) -> None:
-    from gradshard.cli.main import main
+def test_gradshard_show_prints_the_chunk_stages(monkeypatch) -> None:
+    from gradshard.cli import main as cli
 
-    monkeypatch.setenv("COLUMNS", "250")  # wide enough that rich does not truncate stage names
-
-    rc = main(["show", "examples/factories.py:llama", "--plan", "seco", "-o", "chunk_size=8", "--max-lines", "3"])
-    out = capsys.readouterr().out
+    buf = io.StringIO()  # wide enough that rich does not truncate stage names
+    monkeypatch.setattr(cli, "console", Console(file=buf, width=250, color_system=None))
+    rc = cli.main(["show", "examples/factories.py:llama", "--plan", "seco", "-o", "chunk_size=8", "--max-lines", "3"])
+    out = buf.getvalue()
     assert rc == 0
     assert "forward_chunk" in out and "recompute_chunk" in out and "plan_chunk_program" in out

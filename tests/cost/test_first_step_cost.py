@@ -66,7 +66,8 @@ def test_chunked_compile_regimes_bend_at_six_chunks_and_at_the_probe() -> None:
     assert compile_regimes("seco", opts, get_rule("seco")) == [(0, 48), (48, 2 * probe), (2 * probe, math.inf)]
     opts = get_plan("seco").make_options(chunk_size=512)  # the probe comes first: one chunk at 67 steps
     assert compile_regimes("seco", opts, get_rule("seco")) == [(0, 2 * probe), (2 * probe, 3072), (3072, math.inf)]
-    assert compile_regimes("none", get_plan("none").make_options(), get_rule("none")) == [(0, math.inf)]
+    # plain autograd compiles a long first call at the probe too
+    assert compile_regimes("none", get_plan("none").make_options(), get_rule("none")) == [(0, 2 * probe), (2 * probe, math.inf)]
 
 
 @pytest.mark.skipif(not FRESH, reason="measured in a fresh process (test_first_step_predictions_in_a_fresh_process)")
