@@ -217,10 +217,10 @@ def report(cells: list[dict[str, Any]], captures: list[dict[str, Any]]) -> str:
         "runs the same model and plan once at T=64, so library start-up (imports, op registration, the "
         "profiler's buffers) is not counted.",
         first_step_table(cells),
-        "What a first call compiles (`cm.compile_first`: capture on fake tensors -- at the 67-step probe "
-        "for the plans that serve longer calls from it (adjoint, truncated_adjoint, seco, spaco) -- the "
-        "plan's passes, and the re-specialisation to T; no real forward), after a warm-up compile in the "
-        "same process; seconds and allocator peak:",
+        "What a first call compiles (`cm.compile_first`: capture on fake tensors -- at the 67-step probe, "
+        "every plan here serving longer calls from it, except plain autograd on a loop-written model -- "
+        "the plan's passes, and the re-specialisation to T; no real forward), after a warm-up compile in "
+        "the same process; seconds and allocator peak:",
         capture_table(captures),
     ])
 

@@ -1,8 +1,8 @@
 """Serve a plan at a new sequence length without capturing again.
 
 A plan captures per input signature, and a model written as a per-step Python loop is
-unrolled ``T`` steps at capture (HF Mamba's slow path took 89 s and 8 GB of Python heap at
-T=1024). The pipeline of a plan served this way (seco, spaco, none, partial_update) is in two
+unrolled ``T`` steps at capture (HF Mamba's slow path: a first step of 89-140 s and up to
+8 GB of Python heap at T=1024). The pipeline of a plan served this way (seco, spaco, none, partial_update) is in two
 parts, split by :func:`record_length_generic`:
 
 1. *length-generic*: capture, the mask simplification, the time analysis, the loop rolling
@@ -12,6 +12,9 @@ parts, split by :func:`record_length_generic`:
    sizes, slice bounds, ``arange`` ends).
 2. *per length*: detection and the plan's own work (the chunk planner and ``rewrite_chunked``;
    partial_update's slicing), then kernel lowering.
+
+Plans that run a loop as captured (none, partial_update: no rolling) keep no graph that holds
+an unrolled loop; such a model is captured at each length under them.
 
 :func:`record_length_generic` (a pass, between the two parts) keeps a copy of the graph and
 its time facts (:func:`gradshard.passes.respecialize.time_facts`). A first call longer than
