@@ -189,7 +189,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._device = None if device is None else torch.device(device)
         self._count_fake = count_fake
         self.counts_tensor: Callable[[torch.Tensor], bool] = self._make_device_predicate()
-        """``tensor -> bool``: whether the tensor's device is counted (a fast per-op test)."""
+        """``tensor -> bool``: whether the tensor is counted (its device; fake or not), a fast per-op test."""
         self._record_timeline = timeline
         self._lock = threading.RLock()
         self._alive: dict[int, StorageRef] = {}  # storages allocated inside the context
