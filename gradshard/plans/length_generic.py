@@ -2,8 +2,8 @@
 
 A plan captures per input signature, and a model written as a per-step Python loop is
 unrolled ``T`` steps at capture (HF Mamba's slow path: a first step of 89-140 s and up to
-8 GB of Python heap at T=1024). The pipeline of a plan served this way (seco, spaco, none, partial_update) is in two
-parts, split by :func:`record_length_generic`:
+8 GB of Python heap at T=1024). The pipeline of a plan served this way (seco, spaco, none,
+partial_update) is in two parts, split by :func:`record_length_generic`:
 
 1. *length-generic*: capture, the mask simplification, the time analysis, the loop rolling
    (an unrolled loop becomes one scan or one carried loop, whatever the length), and for the

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.simplify_masks import simplify_attention_masks
+from gradshard.plans.length_generic import PROBE_LENGTH, record_length_generic, serve_new_length
 from gradshard.plans.partial_update.detect import detect_sliceable_linears
 from gradshard.plans.partial_update.rewrite import rewrite_partial_update
-from gradshard.plans.length_generic import PROBE_LENGTH, record_length_generic, serve_new_length
 from gradshard.plans.registry import register_plan
 
 PASSES = (
