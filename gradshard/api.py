@@ -149,6 +149,8 @@ class CompiledModule(nn.Module):
         #: probes compiled only through the plan's length-generic passes (``PlanSpec.probe_until``):
         #: kept for its specialiser to serve other lengths from, never run
         self._probes: OrderedDict[tuple, CompiledGraph] = OrderedDict()
+        #: probe keys the plan refused: not compiled again (the call is captured at its length)
+        self._refused_probes: set[tuple] = set()
         self._last: CompiledGraph | None = None
         self._specializers: list[Specializer] = []
         self._plan_serve = spec.serve
@@ -163,6 +165,8 @@ class CompiledModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         entry = self.compiled_for(*args, **kwargs)
+        if "run_eagerly" in entry.extras:  # plan none on an unrolled loop at a new length
+            return self.target(*args, **kwargs)
         cap = entry.captured
         assert cap is not None
         flat = [*cap.call_state(), *cap.flat_inputs(args, kwargs)]
@@ -189,12 +193,15 @@ class CompiledModule(nn.Module):
             self._cache.move_to_end(key)
         else:
             entry = self._serve(key, args, kwargs)
+            why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
             if entry is None and (self._compile_probe(args, kwargs, real_values) if real_values
                                   else self._compile_probe(args, kwargs)):
                 entry = self._serve(key, args, kwargs)
+                if entry is not None and why is not None:
+                    entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
             if entry is None:
                 entry = self.specialize(args, kwargs, real_values=real_values)
-        if self.inductor:
+        if self.inductor and "run_eagerly" not in entry.extras:
             entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
         return entry
@@ -206,24 +213,28 @@ class CompiledModule(nn.Module):
             if entry is not None:
                 # a served entry carries a new graph: schedule it, so `program` and
                 # `explain()` describe what runs, not the program it was derived from
-                entry = dataclasses.replace(entry, program=build_program(entry.gm))
+                # (its own extras: what it was served from is no recapture of this call)
+                extras = {k: v for k, v in entry.extras.items() if k != "recaptured_because"}
+                entry = dataclasses.replace(entry, program=build_program(entry.gm), extras=extras)
                 self._attach(entry)
-                self._remember(key, entry)
+                self._remember(key, entry, captured=False)
                 return entry
         return None
 
     def _compile_probe(self, args: tuple, kwargs: dict,
                        real_values: Mapping[int, torch.Tensor] | None = None) -> bool:
-        """On the first call of a plan with a ``probe_length`` (a program its specialiser serves
-        at other lengths), when every input of rank >= 2 has one length along dim 1 and it is
-        more than twice the probe: compile at the inputs cut to the probe length. The call is
-        then served from that program, so capture and passes cost the same at every T and a
-        loop-written model unrolls the probe's steps, not T. A plan with ``probe_until`` (the
-        chunked plans) compiles the probe only through its length-generic passes and keeps it
-        for its specialiser, uncached. False when nothing was compiled; a probe the plan refuses
-        leaves nothing behind (the full-length capture reports it)."""
+        """On a cache miss no specialiser served, for a plan with a ``probe_length`` (a program its
+        specialiser serves at other lengths), when every input of rank >= 2 has one length along
+        dim 1 and it is more than twice the probe: compile at the inputs cut to the probe length.
+        The call is then served from that program, so capture and passes cost the same at every
+        T and a loop-written model unrolls the probe's steps, not T; a new batch size or a new
+        module state compiles a new probe the same way. A plan with ``probe_until`` (the chunked
+        plans) compiles the probe only through its length-generic passes and keeps it for its
+        specialiser, uncached. False when nothing was compiled: no probe applies, this probe was
+        compiled before (and could not serve the call), or the plan refuses it (the full-length
+        capture then reports the refusal)."""
         probe = get_plan(self.plan).probe_length if self.plan in plans() else None  # "auto" picks a plan later
-        if probe is None or self._cache or self._probes or self.time_axis is not None:
+        if probe is None or self.time_axis is not None:
             return False
         leaves, spec = pytree.tree_flatten((args, kwargs))
         lengths = {x.shape[1] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 2}
@@ -231,6 +242,9 @@ class CompiledModule(nn.Module):
             return False
         cut = [x.narrow(1, 0, probe) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x for x in leaves]
         p_args, p_kwargs = pytree.tree_unflatten(cut, spec)
+        p_key = self._key(p_args, p_kwargs)
+        if p_key in self._cache or p_key in self._probes or p_key in self._refused_probes:
+            return False
         p_real = None
         if real_values:
             p_real = dict(real_values)
@@ -245,15 +259,13 @@ class CompiledModule(nn.Module):
                 with torch.random.fork_rng():
                     entry = self.compile_at(p_args, p_kwargs, real_values=p_real, plain_when_short=False,
                                             stop_after=until)
-                self._probes[self._key(p_args, p_kwargs)] = entry
+                self._probes[p_key] = entry
                 while len(self._probes) > self.cache_size:
                     self._probes.popitem(last=False)
         except GradshardError as exc:
             log.info("gradshard: the probe compile at T=%d was refused (%s); capturing at full length",
                      probe, str(exc).splitlines()[0])
-            self._cache.clear()
-            self._probes.clear()
-            self._specializers[:] = [self._plan_serve] if self._plan_serve is not None else []
+            self._refused_probes.add(p_key)
             return False
         return True
 
@@ -264,9 +276,10 @@ class CompiledModule(nn.Module):
         if callable(hook):
             hook(self)
 
-    def _remember(self, key: tuple, entry: CompiledGraph) -> None:
-        """Cache ``entry`` under ``key``; the least recently used entry goes beyond ``cache_size``."""
-        if self._cache and key not in self._cache:
+    def _remember(self, key: tuple, entry: CompiledGraph, *, captured: bool = True) -> None:
+        """Cache ``entry`` under ``key``; the least recently used entry goes beyond ``cache_size``.
+        A ``captured`` entry records which guard made it (``explain()``)."""
+        if captured and self._cache and key not in self._cache:
             entry.extras.setdefault("recaptured_because", _guard_change(next(reversed(self._cache)), key))
         self._cache[key] = entry
         self._cache.move_to_end(key)
@@ -419,6 +432,8 @@ class CompiledModule(nn.Module):
         lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
         if "short_sequence" in e.extras:
             lines.append(e.extras["short_sequence"])
+        if "run_eagerly" in e.extras:
+            lines.append(e.extras["run_eagerly"])
         if "respecialized_from" in e.extras:
             lines.append(f"serving T={e.extras['seq_len']}: the program compiled at "
                          f"T={e.extras['respecialized_from']}, re-specialised (no new capture); "

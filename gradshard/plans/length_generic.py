@@ -14,7 +14,9 @@ partial_update) is in two parts, split by :func:`record_length_generic`:
    partial_update's slicing), then kernel lowering.
 
 Plans that run a loop as captured (none, partial_update: no rolling) keep no graph that holds
-an unrolled loop; such a model is captured at each length under them.
+an unrolled loop; they record :class:`UnrolledLoop` instead. partial_update captures such a
+model at each length; plain autograd (none) runs the module itself at a new length
+(:func:`gradshard.plans.none.serve_or_run_eagerly`).
 
 :func:`record_length_generic` (a pass, between the two parts) keeps a copy of the graph and
 its time facts (:func:`gradshard.passes.respecialize.time_facts`). A first call longer than
@@ -51,7 +53,8 @@ from gradshard.passes.loop_chains import find_loops
 from gradshard.passes.respecialize import RespecializeError, call_length, cut_call, respecialize, time_facts
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 
-__all__ = ["PROBE_LENGTH", "LengthGeneric", "record_length_generic", "serve_new_length"]
+__all__ = ["PROBE_LENGTH", "LengthGeneric", "UnrolledLoop", "record_length_generic", "serve_new_length",
+           "new_length_of"]
 
 log = logging.getLogger("gradshard")
 
@@ -62,6 +65,8 @@ PROBE_LENGTH = 67
 
 #: ``ctx.plan_state`` key of the :class:`LengthGeneric` record.
 STATE_KEY = "length_generic"
+#: ``ctx.plan_state`` key of the :class:`UnrolledLoop` record.
+UNROLLED_KEY = "unrolled_loop"
 
 
 @dataclass
@@ -78,6 +83,17 @@ class LengthGeneric:
     verified: Optional[bool] = None
 
 
+@dataclass(frozen=True)
+class UnrolledLoop:
+    """A graph the length-generic passes left with a per-step loop unrolled ``seq_len`` times:
+    not kept (its size grows with ``T``); ``graph`` is read for its placeholders only."""
+
+    graph: fx.Graph
+    seq_len: int
+    time_inputs: dict[str, int]  # placeholder name -> time dim
+    loops: int
+
+
 @graph_pass
 def record_length_generic(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Keep the graph and its time facts so another length can be served from it (analysis).
@@ -91,9 +107,12 @@ def record_length_generic(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, notes=("the inputs have no common time axis of two or more steps: new lengths "
                                      "are captured again",))
     T = lengths.pop()
-    if find_loops(gm, tl):  # plans that run loops as captured (none, partial_update) leave them unrolled
-        return PassResult(gm, notes=(f"the graph holds a per-step loop unrolled {T} times: new lengths are "
-                                     "captured again",))
+    loops = find_loops(gm, tl)
+    if loops:  # plans that run loops as captured (none, partial_update) leave them unrolled
+        ctx.plan_state[UNROLLED_KEY] = UnrolledLoop(gm.graph, T, {ph.name: d for ph, d in inputs.items()},
+                                                    len(loops))
+        return PassResult(gm, notes=(f"the graph holds {len(loops)} per-step loop(s) unrolled {T} times: not "
+                                     "kept for other lengths",))
     facts = time_facts(gm, tl, T)
     for ph in gm.graph.find_nodes(op="placeholder"):
         if ph not in inputs and ph.name in facts:  # parameters, buffers (a RoPE table): same at any length
@@ -119,12 +138,14 @@ def _input_time_dims(gm: fx.GraphModule, tl: Any) -> dict[fx.Node, int]:
 # --------------------------------------------------------------------------- serving
 
 
-def _new_length(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict) -> Optional[int]:
-    """The call's length if its inputs differ from ``entry``'s only along their time dims."""
+def new_length_of(entry: Any, lg: LengthGeneric | UnrolledLoop, args: tuple, kwargs: dict) -> Optional[int]:
+    """The call's length if its inputs differ from ``entry``'s only along their time dims, and
+    it is another length of two or more steps (a shorter call is captured: plain autograd)."""
     cap = entry.captured
     if cap is None:
         return None
-    T_new = call_length(cap, lg.graph.graph, lg.time_inputs, args, kwargs)
+    graph = lg.graph.graph if isinstance(lg, LengthGeneric) else lg.graph
+    T_new = call_length(cap, graph, lg.time_inputs, args, kwargs)
     if T_new is None or T_new == lg.seq_len or T_new < 2:
         return None
     return T_new
@@ -242,7 +263,7 @@ def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
         lg = entry.ctx.plan_state.get(STATE_KEY) if entry.ctx is not None else None
         if not isinstance(lg, LengthGeneric) or "short_sequence" in entry.extras:
             continue
-        T_new = _new_length(entry, lg, args, kwargs)
+        T_new = new_length_of(entry, lg, args, kwargs)
         if T_new is None:
             continue
         if lg.verified is None:

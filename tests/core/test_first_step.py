@@ -127,16 +127,62 @@ def test_plain_autograd_plans_serve_every_length_from_the_probe(plan: str) -> No
     assert nodes[0] == nodes[1], nodes
 
 
-def test_plan_none_captures_a_loop_written_model_at_each_length() -> None:
+def test_plan_none_runs_a_loop_written_model_eagerly_beyond_the_captured_length() -> None:
     """Plain autograd runs a per-step loop as captured, unrolled: that graph is not kept for
-    serving, so a long call is captured at its own length (and is exact)."""
+    serving. A long first call compiles the 67-step probe, then runs the module itself (what
+    plan none computes), so nothing unrolls T steps; its first step costs a steady step."""
     model, (ids,) = factories.ssm_loop(seq_len=150, batch=1, d_model=16, n_layers=1, dtype=torch.float64)
     ref = copy.deepcopy(model)
     cm = gs.compile(model, plan="none")
     entry = cm.compile_first((ids,))
-    assert "respecialized_from" not in entry.extras
-    assert any("unrolled" in note for r in cm.current.records for note in r.notes), cm.explain()
-    cm(ids).pow(2).mean().backward()
+    assert "run_eagerly" in entry.extras and "respecialized_from" not in entry.extras
+    assert entry.captured.example_inputs[-1].shape[1] == 67  # the probe, never T=150
+    assert "running the module eagerly at T=150" in cm.explain()
+    assert any("unrolled 67 times" in note for r in cm.current.records for note in r.notes), cm.explain()
+    first, steady = _peaks(cm, list(model.parameters()), lambda m: m(ids).pow(2).mean().backward())
+    assert first <= 1.1 * steady, (first, steady)
+    for p in ref.parameters():
+        p.grad = None
     ref(ids).pow(2).mean().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13), name
+        assert torch.equal(p.grad, q.grad), name  # the module itself ran
+
+
+def test_plan_none_keeps_the_captured_loop_at_its_length_and_runs_others_eagerly() -> None:
+    """A short first call is captured (graph run as captured); another length runs the module;
+    the first length still runs its captured graph."""
+    model, (ids,) = factories.ssm_loop(seq_len=53, batch=1, d_model=16, n_layers=1, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    cm = gs.compile(model, plan="none")
+    for T in (40, 53, 40):
+        x = ids[:, :T]
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad = None
+        cm(x).pow(2).mean().backward()
+        assert ("run_eagerly" in cm.current.extras) == (T != 40), (T, cm.current.extras)
+        ref(x).pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13), (T, name)
+    assert len(cm.specializations) == 2
+
+@pytest.mark.parametrize("plan", ["seco", "adjoint", "none"])
+def test_a_new_batch_size_compiles_again_at_the_probe_and_is_served(plan: str) -> None:
+    """Batch size is a guard: a long call at a new batch compiles at the 67-step probe again
+    (never at its own length), explain() names the guard, and a further length at that batch
+    is served without a capture. Gradients exact at every call."""
+    model, (ids,) = factories.ssm(seq_len=500, batch=2, d_model=16, n_layers=1, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    cm = gs.compile(model, plan=plan, **OPTIONS.get(plan, {}))
+    for B, T in [(1, 300), (2, 300), (2, 500)]:
+        x = ids[:B, :T]
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad = None
+        cm(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12), (B, T, name)
+        entry = cm.current
+        assert entry.extras["respecialized_from"] == 67 and tuple(entry.captured.example_inputs[-1].shape) == (B, 67)
+        recaptured = entry.extras.get("recaptured_because", "")
+        assert ("inputs changed" in recaptured) == ((B, T) == (2, 300)), (B, T, recaptured)
+    assert "captured again" not in cm.explain()  # the last call was served

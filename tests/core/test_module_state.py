@@ -213,3 +213,32 @@ def test_cache_is_bounded() -> None:
 def test_compile_arguments_validated_at_compile(kwargs: dict, match: str) -> None:
     with pytest.raises(GradshardError, match=match):
         gs.compile(Dropper(), plan="none", **kwargs)
+
+
+class _ModeScaled(nn.Module):
+    """An SSM whose output scale depends on the training flag."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.inner(ids)
+        return out * 2.0 if self.training else out * 3.0
+
+
+@pytest.mark.parametrize("plan", ["seco", "adjoint"])
+def test_a_new_length_after_eval_is_not_served_from_the_train_mode_graph(plan: str) -> None:
+    """A specialiser serves a new length only from an entry compiled in the modules' current
+    state: after ``.eval()`` the train-mode program must not run (it did under adjoint)."""
+    from gradshard.examples import factories
+
+    inner, (ids,) = factories.ssm(seq_len=400, batch=1, d_model=16, n_layers=1, dtype=torch.float64)
+    model = _ModeScaled(inner)
+    cm = gs.compile(model, plan=plan, **{"seco": {"chunk_size": 64}, "adjoint": {"shard_size": 64}}[plan])
+    cm(ids[:, :300])
+    model.eval()
+    with torch.no_grad():
+        got = cm(ids)
+        want = model(ids)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)

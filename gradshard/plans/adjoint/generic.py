@@ -141,7 +141,9 @@ def _probe_ok(cm: Any, entry: Any, args: tuple, kwargs: dict, T_new: int) -> boo
 
 def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """A compiled entry for ``args`` re-specialised from a cached one, or ``None``."""
-    for entry in cm.specializations:
+    # oldest first (the entry the verdict was checked on), among those compiled in this state
+    same_state = {id(e) for e in cm.specializations_like(args, kwargs)}
+    for entry in (e for e in cm.specializations if id(e) in same_state):
         T_new = _new_length(entry, args, kwargs)
         if T_new is None:
             continue
