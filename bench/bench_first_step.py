@@ -10,9 +10,10 @@ output or the LM loss, backward). For each step it records
 - the CPU allocator's peak of live bytes during the step, above what was live at its start
   (:class:`gradshard.measure.CpuAllocatorTrace`: every tensor the c10 allocator hands out,
   capture and the plan's self-checks included; deterministic for a given program);
-- the resident set size left behind: RSS after the step minus before it
-  (:func:`gradshard.measure.rss.rss_bytes`), so "left by step 1 - left by step 3" is what the
-  first step keeps resident (graphs, caches, compiled code);
+- the resident set size left behind: RSS after the step minus before it, the heap trimmed
+  before (:func:`gradshard.measure.rss.rss_bytes`), so "left by step 1 - left by step 3" is what
+  the first step keeps resident (graphs, caches, compiled code); measured in a second fresh
+  worker whose steps run without the allocator trace (its profiler's buffers are not the step's);
 - its wall time.
 
 A second table times ``cm.compile_first(inputs)`` -- what the first call compiles: capture on
@@ -94,7 +95,22 @@ def _trim_malloc() -> None:
 
 
 def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]:
-    """Peak allocator bytes, RSS left behind and seconds of each of ``steps`` steps."""
+    """Peak allocator bytes and seconds of each of ``steps`` steps (traced), then, in a second
+    fresh worker, the RSS each step leaves behind (untraced: the profiler the allocator trace
+    runs on keeps event buffers in proportion to the ops it saw, and a first step runs many
+    more ops -- the capture's fake ones -- so traced steps would charge its heap to the step)."""
+    traced = _in_worker(run_steps, name, plan, T, steps, True)
+    if "refused" in traced:
+        return traced
+    untraced = _in_worker(run_steps, name, plan, T, steps, False)
+    for row, rss in zip(traced["steps"], untraced["steps"]):
+        row["rss_left"], row["rss_left_trimmed"] = rss["rss_left"], rss["rss_left_trimmed"]
+    return traced
+
+
+def run_steps(name: str, plan: str, T: int, steps: int, traced: bool) -> dict[str, Any]:
+    """``steps`` steps of a fresh compiled module: allocator peak (``traced``), RSS left, seconds."""
+    import contextlib
     import gc
 
     import torch
@@ -108,8 +124,9 @@ def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]
     # first step costs, not the library's one-time start-up.
     warm, warm_call = _build(name, 64)
     warm_module = warm if plan == "eager" else gs.compile(warm, plan=plan, **PLAN_OPTIONS[plan])
+    trace_step = CpuAllocatorTrace if traced else contextlib.nullcontext
     try:
-        with CpuAllocatorTrace():
+        with trace_step():
             _loss(warm_module, warm_call).backward()
     except gs.GradshardError as exc:
         return {"model": name, "plan": plan, "T": T, "refused": str(exc).splitlines()[0][:120]}
@@ -122,10 +139,11 @@ def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]
         for p in model.parameters():
             p.grad = None
         gc.collect()
+        _trim_malloc()  # both ends trimmed: what the step keeps, not what an earlier one freed
         before = rss_bytes() or 0
         t0 = time.perf_counter()
         try:
-            with CpuAllocatorTrace() as trace:
+            with trace_step() as trace:
                 _loss(module, call).backward()
         except gs.GradshardError as exc:  # the plan does not apply to this model: a row that says so
             return {"model": name, "plan": plan, "T": T, "refused": str(exc).splitlines()[0][:120]}
@@ -133,7 +151,7 @@ def measure_cell(name: str, plan: str, T: int, steps: int = 3) -> dict[str, Any]
         gc.collect()
         left = (rss_bytes() or 0) - before
         _trim_malloc()
-        rows.append({"peak": trace.peak_bytes, "rss_left": left, "rss_left_trimmed": (rss_bytes() or 0) - before,
+        rows.append({"peak": trace.peak_bytes if traced else None, "rss_left": left, "rss_left_trimmed": (rss_bytes() or 0) - before,
                      "seconds": seconds})
     return {"model": name, "plan": plan, "T": T, "steps": rows}
 
@@ -211,14 +229,16 @@ def report(cells: list[dict[str, Any]], captures: list[dict[str, Any]]) -> str:
         "float32, d_model 64 / 2 layers for the examples, the `tests/hf/zoo.py` tiny configs for `hf:*`; "
         "chunk and shard 256, truncated window 1024). Peak: the CPU allocator's peak of live bytes during "
         "the step above its start, capture and self-checks included. RSS left: RSS after a step minus "
-        "before it; the column is what step 1 leaves resident beyond what a steady step leaves, first as the OS "
+        "before it (the heap trimmed before; measured in a second fresh process, without the allocator "
+        "trace, whose profiler keeps event buffers in proportion to the ops it saw); the column is what step 1 leaves resident beyond what a steady step leaves, first as the OS "
         "sees it, then after `malloc_trim(0)` returns glibc's free heap pages (what is left then is "
         "memory something still holds). Each worker first "
         "runs the same model and plan once at T=64, so library start-up (imports, op registration, the "
         "profiler's buffers) is not counted.",
         first_step_table(cells),
         "What a first call compiles (`cm.compile_first`: capture on fake tensors -- at the 67-step probe, "
-        "every plan here serving longer calls from it, except plain autograd on a loop-written model -- "
+        "every plan here serving longer calls from it (plain autograd on a loop-written model runs the "
+        "module itself at the call's length) -- "
         "the plan's passes, and the re-specialisation to T; no real forward), after a warm-up compile in "
         "the same process; seconds and allocator peak:",
         capture_table(captures),
@@ -254,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             for plan in args.plans.split(","):
                 if plan in RECURRENT_PLANS and not MODELS.get(name, True):
                     continue
-                cells.append(_in_worker(measure_cell, name, plan, T))
+                cells.append(measure_cell(name, plan, T))
                 print(first_step_table(cells[-1:]).splitlines()[-1], flush=True)
                 if args.json:  # after every cell: a long run that stops keeps what it measured
                     args.json.write_text(json.dumps({"cells": cells, "captures": []}, indent=1))
