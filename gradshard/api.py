@@ -492,14 +492,26 @@ def _guard_change(old: tuple, new: tuple) -> str:
     """Which guard failed between two cache keys, in words."""
     (old_in, old_state), (new_in, new_state) = old, new
     if old_in != new_in:
-        diffs = [f"{a} -> {b}" for a, b in zip(old_in, new_in) if a != b]
-        return "the inputs changed (" + ("; ".join(map(str, diffs[:2])) or "structure") + ")"
+        if len(old_in) != len(new_in) or old_in[0] != new_in[0]:
+            return "the inputs changed (structure)"
+        diffs = [_leaf_change(i, a, b) for i, (a, b) in enumerate(zip(old_in[1:], new_in[1:])) if a != b]
+        return "the inputs changed (" + "; ".join(diffs[:2]) + ")"
     olds = {k[0]: k for k in old_state if isinstance(k, tuple) and k and isinstance(k[0], str)}
     news = {k[0]: k for k in new_state if isinstance(k, tuple) and k and isinstance(k[0], str)}
     changed = sorted(n for n in olds.keys() | news.keys() if olds.get(n) != news.get(n))
     if changed:
         return "parameters/buffers changed (" + ", ".join(changed[:3]) + ": added, removed, or new shape, dtype, device or requires_grad)"
     return "a module's training mode changed (train()/eval())"
+
+
+def _leaf_change(i: int, old: Any, new: Any) -> str:
+    """One flattened input's guard change, in words (``guard_key``'s leaf records)."""
+    if old[0] == new[0] == "T":
+        names = ("shape", "dtype", "device", "requires_grad")
+        parts = [f"{n} {tuple(a) if n == 'shape' else a} -> {tuple(b) if n == 'shape' else b}"
+                 for n, a, b in zip(names, old[1:], new[1:]) if a != b]
+        return f"input {i}: " + ", ".join(parts)
+    return f"input {i}: {old[1]!r} -> {new[1]!r}"
 
 
 def backend(plan: str = "none", *, kernel_backend: str | None = None, inductor: bool = True,

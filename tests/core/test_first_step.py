@@ -184,5 +184,5 @@ def test_a_new_batch_size_compiles_again_at_the_probe_and_is_served(plan: str) -
         entry = cm.current
         assert entry.extras["respecialized_from"] == 67 and tuple(entry.captured.example_inputs[-1].shape) == (B, 67)
         recaptured = entry.extras.get("recaptured_because", "")
-        assert ("inputs changed" in recaptured) == ((B, T) == (2, 300)), (B, T, recaptured)
+        assert ("input 0: shape (1, 300) -> (2, 300)" in recaptured) == ((B, T) == (2, 300)), (B, T, recaptured)
     assert "captured again" not in cm.explain()  # the last call was served
