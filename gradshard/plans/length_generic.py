@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -54,7 +54,7 @@ from gradshard.passes.respecialize import RespecializeError, call_length, cut_ca
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 
 __all__ = ["PROBE_LENGTH", "LengthGeneric", "UnrolledLoop", "record_length_generic", "serve_new_length",
-           "new_length_of"]
+           "entries_at_new_length"]
 
 log = logging.getLogger("gradshard")
 
@@ -138,7 +138,7 @@ def _input_time_dims(gm: fx.GraphModule, tl: Any) -> dict[fx.Node, int]:
 # --------------------------------------------------------------------------- serving
 
 
-def new_length_of(entry: Any, lg: LengthGeneric | UnrolledLoop, args: tuple, kwargs: dict) -> Optional[int]:
+def _new_length(entry: Any, lg: LengthGeneric | UnrolledLoop, args: tuple, kwargs: dict) -> Optional[int]:
     """The call's length if its inputs differ from ``entry``'s only along their time dims, and
     it is another length of two or more steps (a shorter call is captured: plain autograd)."""
     cap = entry.captured
@@ -149,6 +149,20 @@ def new_length_of(entry: Any, lg: LengthGeneric | UnrolledLoop, args: tuple, kwa
     if T_new is None or T_new == lg.seq_len or T_new < 2:
         return None
     return T_new
+
+
+def entries_at_new_length(cm: Any, args: tuple, kwargs: dict, key: str,
+                          kind: type) -> Iterator[tuple[Any, Any, int]]:
+    """``(entry, record, T_new)`` for each entry compiled in the modules' current state whose
+    ``plan_state[key]`` record (a ``kind``) has inputs that differ from this call's only in their
+    time length ``T_new``, newest first."""
+    for entry in cm.specializations_like(args, kwargs):
+        record = entry.ctx.plan_state.get(key) if entry.ctx is not None else None
+        if not isinstance(record, kind) or "short_sequence" in entry.extras:
+            continue
+        T_new = _new_length(entry, record, args, kwargs)
+        if T_new is not None:
+            yield entry, record, T_new
 
 
 def _cut(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, length: int) -> tuple[tuple, dict]:
@@ -259,13 +273,7 @@ def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: d
 def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """Specialiser (``CompiledModule.register_specializer``): an entry for inputs that differ
     from a cached entry of a length-generic plan only in their time length, or None to capture as usual."""
-    for entry in cm.specializations_like(args, kwargs):
-        lg = entry.ctx.plan_state.get(STATE_KEY) if entry.ctx is not None else None
-        if not isinstance(lg, LengthGeneric) or "short_sequence" in entry.extras:
-            continue
-        T_new = new_length_of(entry, lg, args, kwargs)
-        if T_new is None:
-            continue
+    for entry, lg, T_new in entries_at_new_length(cm, args, kwargs, STATE_KEY, LengthGeneric):
         if lg.verified is None:
             lg.verified = _cross_check(cm, entry, lg, args, kwargs, T_new)
         if not lg.verified:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.simplify_masks import simplify_attention_masks
-from gradshard.plans.length_generic import (PROBE_LENGTH, UNROLLED_KEY, UnrolledLoop, new_length_of,
+from gradshard.plans.length_generic import (PROBE_LENGTH, UNROLLED_KEY, UnrolledLoop, entries_at_new_length,
                                             record_length_generic, serve_new_length)
 from gradshard.plans.registry import register_plan
 
@@ -50,13 +50,7 @@ def serve_or_run_eagerly(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     served = serve_new_length(cm, args, kwargs)
     if served is not None:
         return served
-    for entry in cm.specializations_like(args, kwargs):
-        unrolled = entry.ctx.plan_state.get(UNROLLED_KEY) if entry.ctx is not None else None
-        if not isinstance(unrolled, UnrolledLoop) or "short_sequence" in entry.extras:
-            continue
-        T_new = new_length_of(entry, unrolled, args, kwargs)
-        if T_new is None:
-            continue
+    for entry, unrolled, T_new in entries_at_new_length(cm, args, kwargs, UNROLLED_KEY, UnrolledLoop):
         reason = (f"running the module eagerly at T={T_new} (plain autograd, what this plan computes): its "
                   f"graph holds {unrolled.loops} per-step Python loop(s), unrolled {unrolled.seq_len} times at "
                   f"T={unrolled.seq_len}; capturing at T={T_new} would unroll {T_new} steps, at a cost in time "
