@@ -194,7 +194,8 @@ class CompiledModule(nn.Module):
         else:
             entry = self._serve(key, args, kwargs)
             why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
-            if entry is None and self._compile_probe(args, kwargs, real_values):
+            if entry is None and (self._compile_probe(args, kwargs, real_values) if real_values
+                                  else self._compile_probe(args, kwargs)):
                 entry = self._serve(key, args, kwargs)
                 if entry is not None and why is not None:
                     entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
