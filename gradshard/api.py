@@ -22,8 +22,9 @@ import torch.utils._pytree as pytree
 
 from .capture import FRONTENDS, Captured, capture, capture_graph_module, guard_key, state_key
 from .errors import GradshardError
+from .fake import private_dispatch_cache
 from .ir import PassRecord, Region
-from .pipeline import PassContext, copy_graph, run_passes
+from .pipeline import PassContext, display_copy, run_passes
 from .plans import get_plan, plans
 from .compose import ComposedGraph, SegmentCompiler, compose_graph, mark_program
 from .schedule import Program, build_program
@@ -91,8 +92,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
     opts = spec.make_options(**options)
     ctx = PassContext(plan=plan, options=opts, example_inputs=example_inputs, captured=captured,
                       strict=spec.needs_time_axis, time_axis=time_axis, backend=backend)
-    original = fx.GraphModule(gm, gm.graph)  # shares the graph; passes build new graphs
-    original.graph = copy_graph(gm)
+    original = display_copy(gm)  # some passes rewrite in place (rolling a loop): show the capture as it was
     prepared = _prepare(spec, gm, ctx)
     passes = spec.pipeline()
     if stop_after is not None:
@@ -192,18 +192,26 @@ class CompiledModule(nn.Module):
         if entry is not None:
             self._cache.move_to_end(key)
         else:
-            entry = self._serve(key, args, kwargs)
-            why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
-            if entry is None and (self._compile_probe(args, kwargs, real_values) if real_values
-                                  else self._compile_probe(args, kwargs)):
-                entry = self._serve(key, args, kwargs)
-                if entry is not None and why is not None:
-                    entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
-            if entry is None:
-                entry = self.specialize(args, kwargs, real_values=real_values)
+            with private_dispatch_cache():  # what the compile dispatched on fake tensors goes with it
+                entry = self._compile_miss(key, args, kwargs, real_values)
         if self.inductor and "run_eagerly" not in entry.extras:
             entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
+        return entry
+
+    def _compile_miss(self, key: tuple, args: tuple, kwargs: dict,
+                      real_values: Mapping[int, torch.Tensor] | None) -> CompiledGraph:
+        """The entry for a call no cached entry matches: served, compiled at the probe and
+        served, or captured at the call's inputs."""
+        entry = self._serve(key, args, kwargs)
+        why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
+        if entry is None and (self._compile_probe(args, kwargs, real_values) if real_values
+                              else self._compile_probe(args, kwargs)):
+            entry = self._serve(key, args, kwargs)
+            if entry is not None and why is not None:
+                entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
+        if entry is None:
+            entry = self.specialize(args, kwargs, real_values=real_values)
         return entry
 
     def _serve(self, key: tuple, args: tuple, kwargs: dict) -> CompiledGraph | None:

@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 
-__all__ = ["fake_run"]
+__all__ = ["fake_run", "private_dispatch_cache"]
+
+
+@contextlib.contextmanager
+def private_dispatch_cache() -> Iterator[None]:
+    """Drop, at exit, the fake-tensor dispatch cache entries made inside the block.
+
+    ``FakeTensorMode.cache`` is one process-wide dict that keeps an entry (with its output
+    fake tensor) for every op signature ever dispatched. A compile dispatches thousands of
+    signatures once -- a capture unrolls a loop's steps, a probe has its own lengths -- and
+    none is needed after it: in the global cache they would stay resident for the life of
+    the process (3.5 MiB after one compile of a small Mamba). Inside the block the cache
+    still serves repeats; entries that were there before are kept. Another thread's entries
+    made meanwhile may go too: it is a cache, they are recomputed when next needed.
+    Re-entrant."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = FakeTensorMode.cache
+    before = set(list(cache))  # list() copies the keys atomically; hashing them may switch threads
+    try:
+        yield
+    finally:
+        for key in list(cache):
+            if key not in before:
+                cache.pop(key, None)
 
 
 def fake_run(fn: Callable[..., Any], args: tuple, kwargs: dict | None = None) -> Any:

@@ -21,7 +21,7 @@ from .errors import GradshardError
 from .ir import PassRecord, Region
 
 __all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed",
-           "copy_graph", "ancestors", "descendants"]
+           "copy_graph", "display_copy", "forget_erased_nodes", "ancestors", "descendants"]
 
 
 class PassFailed(GradshardError):
@@ -98,6 +98,33 @@ def copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return g
 
 
+#: The node meta a graph kept for display holds: names, source lines, module paths; no values.
+DISPLAY_META = ("stack_trace", "nn_module_stack", "gs_input_name", "gs_input_index", "gs_no_val")
+
+
+def display_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` to show and count, not to run passes on: its nodes keep
+    :data:`DISPLAY_META`, not their fake values (which, kept for the life of a compiled
+    entry, would hold a fake tensor per node of the capture)."""
+    graph = copy_graph(gm)
+    for node in graph.nodes:
+        node.meta = {k: v for k, v in node.meta.items() if k in DISPLAY_META}
+    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+
+
+def forget_erased_nodes(graph: fx.Graph) -> None:
+    """Let the nodes erased from ``graph`` be freed.
+
+    fx's name table (``Graph._graph_namespace``) keeps every node it ever named, erased ones
+    too, and with them their ``meta`` (fake values, stack traces): a loop rolled in place
+    would keep its unrolled steps alive for as long as the graph lives. Their names stay
+    reserved (``_used_names``); only the table's references to the node objects go."""
+    table = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
+    if isinstance(table, dict):
+        for obj in [o for o in table if isinstance(o, fx.Node) and o._erased]:
+            del table[obj]
+
+
 def ancestors(roots: Iterable[Any], within: Callable[[fx.Node], bool] | None = None) -> set[fx.Node]:
     """The nodes among ``roots`` and every node they read from, transitively.
 
@@ -153,6 +180,7 @@ def run_passes(gm: fx.GraphModule, passes: Sequence[GraphPass], ctx: PassContext
         dt = time.perf_counter() - t0
         new = result.gm
         if result.changed:
+            forget_erased_nodes(new.graph)
             new.recompile()
             try:
                 lint_graph(new)

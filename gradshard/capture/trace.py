@@ -40,6 +40,7 @@ from torch.nn.utils import stateless
 from gradshard.capture.canonical import canonicalize
 from gradshard.capture.mutations import functionalize_buffer_updates
 from gradshard.errors import CaptureError
+from gradshard.pipeline import forget_erased_nodes
 from gradshard.capture.substitutions import substitute_known_kernels
 
 __all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key", "state_key"]
@@ -516,6 +517,7 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
     canonicalize(gm)
     phs = list(gm.graph.find_nodes(op="placeholder"))
     updates = functionalize_buffer_updates(gm, phs[n_p : n_p + n_b], [n for n, _ in named_buffers])
+    forget_erased_nodes(gm.graph)
     return Captured(
         gm=gm,
         frontend=frontend,
@@ -551,7 +553,20 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
                          _allow_non_fake_inputs=True)(*example)
             gm.meta["gs_dispatch_level"] = "post"
     _check_no_trainable_constants(gm)
+    share_stack_traces(gm)
     return gm
+
+
+def share_stack_traces(gm: fx.GraphModule) -> None:
+    """Make nodes with equal stack traces share one string.
+
+    make_fx formats a stack trace per node; an unrolled loop's steps (and a model's repeated
+    layers) repeat the same few, so a kept graph would otherwise hold one copy per node."""
+    seen: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace is not None:
+            node.meta["stack_trace"] = seen.setdefault(trace, trace)
 
 
 def _trainable_constants(gm: fx.GraphModule) -> list[fx.Node]:

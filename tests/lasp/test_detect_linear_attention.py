@@ -52,7 +52,7 @@ def test_other_forms(impl: str, decay: str, form: str, expect: str) -> None:
     model, ids = tiny_lm(impl, decay, seq_len=11, batch=2)
     found, entry = _regions(model, ids)
     assert len(found) == 2
-    nodes = {n.name: n for n in entry.original.graph.nodes}
+    nodes = {n.name: n for n in entry.captured.gm.graph.nodes}
     for r, f in zip(found, entry.ctx.analyses["linear_attention"].findings):
         assert r.options["form"] == form and r.options["decay"] == expect
         if impl == "einsum":
