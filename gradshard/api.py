@@ -24,7 +24,8 @@ from .capture import FRONTENDS, Captured, capture, capture_graph_module, guard_k
 from .errors import GradshardError
 from .fake import private_dispatch_cache
 from .ir import PassRecord, Region
-from .pipeline import PassContext, display_copy, run_passes
+from .pipeline import (GraphSummary, PassContext, generated_sources, release_generated_sources, run_passes,
+                       summarize_graph)
 from .plans import get_plan, plans
 from .compose import ComposedGraph, SegmentCompiler, compose_graph, mark_program
 from .schedule import Program, build_program
@@ -42,11 +43,11 @@ DEFAULT_CACHE_SIZE = 8
 
 @dataclass
 class CompiledGraph:
-    """One specialisation: the captured graph, the rewritten graph, its program and history."""
+    """One specialisation: what was captured (code and size), the rewritten graph, its program and history."""
 
     plan: str
     options: Any
-    original: fx.GraphModule
+    original: GraphSummary
     gm: fx.GraphModule
     program: Program
     regions: tuple[Region, ...]
@@ -92,7 +93,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
     opts = spec.make_options(**options)
     ctx = PassContext(plan=plan, options=opts, example_inputs=example_inputs, captured=captured,
                       strict=spec.needs_time_axis, time_axis=time_axis, backend=backend)
-    original = display_copy(gm)  # some passes rewrite in place (rolling a loop): show the capture as it was
+    original = summarize_graph(gm)  # before the passes: some rewrite the graph in place
     prepared = _prepare(spec, gm, ctx)
     passes = spec.pipeline()
     if stop_after is not None:
@@ -192,12 +193,24 @@ class CompiledModule(nn.Module):
         if entry is not None:
             self._cache.move_to_end(key)
         else:
+            sources = generated_sources()
             with private_dispatch_cache():  # what the compile dispatched on fake tensors goes with it
                 entry = self._compile_miss(key, args, kwargs, real_values)
+            release_generated_sources(sources, self._kept_graph_modules())
         if self.inductor and "run_eagerly" not in entry.extras:
             entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
         return entry
+
+    def _kept_graph_modules(self) -> list[fx.GraphModule]:
+        """The graphs the cached entries and probes run or serve from (their sources stay)."""
+        out = []
+        for e in [*self._cache.values(), *self._probes.values()]:
+            out.append(e.gm)
+            if e.captured is not None:
+                out.append(e.captured.gm)
+            out += [getattr(v, "graph", None) for v in e.ctx.plan_state.values()]
+        return [g for g in out if isinstance(g, fx.GraphModule)]
 
     def _compile_miss(self, key: tuple, args: tuple, kwargs: dict,
                       real_values: Mapping[int, torch.Tensor] | None) -> CompiledGraph:
@@ -437,7 +450,7 @@ class CompiledModule(nn.Module):
         e = self._entry()
         spec = get_plan(e.plan)
         lines = [f"gradshard plan {e.plan!r} ({spec.gradient}); options: {e.options}"]
-        lines.append(f"captured {len(e.original.graph.nodes)} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
+        lines.append(f"captured {e.original.num_nodes} nodes via the {e.captured.frontend if e.captured else 'dynamo'} front door")
         if "short_sequence" in e.extras:
             lines.append(e.extras["short_sequence"])
         if "run_eagerly" in e.extras:

@@ -21,7 +21,7 @@ from .errors import GradshardError
 from .ir import PassRecord, Region
 
 __all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed",
-           "copy_graph", "display_copy", "forget_erased_nodes", "ancestors", "descendants"]
+           "copy_graph", "GraphSummary", "summarize_graph", "forget_erased_nodes", "generated_sources", "release_generated_sources", "ancestors", "descendants"]
 
 
 class PassFailed(GradshardError):
@@ -98,18 +98,49 @@ def copy_graph(gm: fx.GraphModule) -> fx.Graph:
     return g
 
 
-#: The node meta a graph kept for display holds: names, source lines, module paths; no values.
-DISPLAY_META = ("stack_trace", "nn_module_stack", "gs_input_name", "gs_input_index", "gs_no_val")
+@dataclass(frozen=True)
+class GraphSummary:
+    """What a compiled entry keeps of the graph it was captured as: its code and node count.
+
+    The graph itself is the passes' input (some rewrite it in place, rolling a loop); a copy
+    kept only to show it would hold every node of the capture -- 67 unrolled steps of a
+    loop-written model -- for the life of the entry."""
+
+    code: str
+    num_nodes: int
 
 
-def display_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` to show and count, not to run passes on: its nodes keep
-    :data:`DISPLAY_META`, not their fake values (which, kept for the life of a compiled
-    entry, would hold a fake tensor per node of the capture)."""
-    graph = copy_graph(gm)
-    for node in graph.nodes:
-        node.meta = {k: v for k, v in node.meta.items() if k in DISPLAY_META}
-    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+def summarize_graph(gm: fx.GraphModule) -> GraphSummary:
+    """``gm``'s code (the string its ``code`` already holds) and node count."""
+    return GraphSummary(gm.code, len(gm.graph.nodes))
+
+
+def generated_sources() -> set[str]:
+    """The keys of the sources fx has generated so far (see :func:`release_generated_sources`)."""
+    from torch.fx.graph_module import _loader
+
+    return set(list(_loader.eval_cache))
+
+
+def release_generated_sources(before: set[str], keep: Iterable[fx.GraphModule]) -> None:
+    """Drop the sources fx generated since ``before``, except those of ``keep`` and their submodules.
+
+    Every ``recompile`` of a GraphModule stores its Python source in a process-wide cache
+    (``torch.fx.graph_module._loader``) and a lazy ``linecache`` entry, and never removes
+    them: a compile that rewrites a graph pass by pass would keep every intermediate
+    version's source. Only tracebacks read them, so a graph whose source is dropped still
+    runs; a traceback through it shows no source line (also for a graph another thread compiled
+    meanwhile: thread-based ranks compile side by side)."""
+    import linecache
+
+    from torch.fx.graph_module import _loader
+
+    kept = {type(m).forward.__code__.co_filename for root in keep for m in root.modules()
+            if isinstance(m, fx.GraphModule) and hasattr(type(m).forward, "__code__")}
+    # list() copies the keys in one step: other threads (thread-based ranks) recompile meanwhile
+    for key in [k for k in list(_loader.eval_cache) if k not in before and k not in kept]:
+        del _loader.eval_cache[key]
+        linecache.cache.pop(key, None)
 
 
 def forget_erased_nodes(graph: fx.Graph) -> None:
@@ -121,7 +152,7 @@ def forget_erased_nodes(graph: fx.Graph) -> None:
     reserved (``_used_names``); only the table's references to the node objects go."""
     table = getattr(getattr(graph, "_graph_namespace", None), "_obj_to_name", None)
     if isinstance(table, dict):
-        for obj in [o for o in table if isinstance(o, fx.Node) and o._erased]:
+        for obj in [o for o in list(table) if isinstance(o, fx.Node) and o._erased]:
             del table[obj]
 
 

@@ -96,7 +96,7 @@ def program_table(program: Program) -> Table:
 def summary_panel(entry: CompiledGraph, gradient: str) -> Panel:
     tl = entry.ctx.analyses.get("time")
     lines = [f"plan [bold]{entry.plan}[/] — gradient: {gradient}", f"options: {entry.options}",
-             f"captured graph: {len([n for n in entry.original.graph.nodes])} nodes"
+             f"captured graph: {entry.original.num_nodes} nodes"
              + (f" via the {entry.captured.frontend} front door" if entry.captured else "")]
     if tl is not None:
         lines.append(f"time axis: T={tl.seq_len}; evidence: " + "; ".join(e for es in tl.evidence.values() for e in es))

@@ -86,7 +86,7 @@ def test_a_loop_written_model_unrolls_the_probe_not_the_sequence_under_seco() ->
         with CpuAllocatorTrace() as trace:
             entry = cm.compile_first((ids,))
         assert entry.extras.get("respecialized_from") == 67, cm.explain()
-        nodes.append(len(entry.original.graph.nodes))
+        nodes.append(entry.original.num_nodes)
         peaks.append(trace.peak_bytes)
         cm(ids).pow(2).mean().backward()
         ref(ids).pow(2).mean().backward()
@@ -108,7 +108,7 @@ def test_plain_autograd_plans_serve_every_length_from_the_probe(plan: str) -> No
         cm = gs.compile(model, plan=plan)
         entry = cm.compile_first((ids,))
         assert entry.extras.get("respecialized_from") == 67, cm.explain()
-        nodes.append(len(entry.original.graph.nodes))
+        nodes.append(entry.original.num_nodes)
         cm(ids).pow(2).mean().backward()
         ref(ids).pow(2).mean().backward()
         if plan == "partial_update":  # against the plan captured at T itself

@@ -1,0 +1,90 @@
+"""What a compile leaves in the process besides its entry (issue 17: RSS kept by the first step).
+
+Counted on the objects themselves, not on RSS: the fake-tensor dispatch cache, fx's store of
+generated sources, the nodes a loop roll erased, and the captured graph a compiled entry keeps.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.graph_module import _loader
+
+import gradshard as gs
+from gradshard.examples import factories
+from gradshard.fake import private_dispatch_cache
+
+
+def _loop_model(T: int = 300):
+    """The example SSM written as a Python loop over time (67 steps unrolled in the probe)."""
+    return factories.ssm_loop(seq_len=T, batch=1, d_model=16, n_layers=2)
+
+
+def test_a_compile_leaves_the_fake_tensor_dispatch_cache_as_it_found_it() -> None:
+    model, (ids,) = _loop_model()
+    before = set(FakeTensorMode.cache)
+    gs.compile(model, plan="adjoint", shard_size=64).compiled_for(ids)
+    assert set(FakeTensorMode.cache) - before == set()
+
+
+def test_the_private_dispatch_cache_keeps_what_was_there_and_serves_repeats_inside() -> None:
+    with FakeTensorMode():
+        torch.ones(3, 5) @ torch.ones(5, 2)  # an entry made before the block
+    before = set(FakeTensorMode.cache)
+    assert before
+    with private_dispatch_cache():
+        with FakeTensorMode():
+            torch.ones(7, 11) @ torch.ones(11, 13)
+            inside = set(FakeTensorMode.cache) - before
+            hits = FakeTensorMode.cache_hits
+            torch.ones(7, 11) @ torch.ones(11, 13)
+            assert FakeTensorMode.cache_hits > hits
+        assert inside
+    assert set(FakeTensorMode.cache) == before
+
+
+def test_a_compile_keeps_only_the_generated_sources_of_the_graphs_it_keeps() -> None:
+    model, (ids,) = _loop_model()
+    before = set(_loader.eval_cache)
+    cm = gs.compile(model, plan="adjoint", shard_size=64)
+    cm.compiled_for(ids)
+    kept = {type(m).forward.__code__.co_filename for m in cm._kept_graph_modules() for m in m.modules()
+            if isinstance(m, fx.GraphModule)}
+    new = set(_loader.eval_cache) - before
+    assert new and new <= kept  # the passes recompiled many intermediate graphs; none is kept
+
+
+def test_nodes_a_loop_roll_erased_are_freed() -> None:
+    model, (ids,) = _loop_model()
+    cm = gs.compile(model, plan="adjoint", shard_size=64)
+    entry = cm.compiled_for(ids)
+    cap = entry.captured.gm
+    rolled = sum(1 for r in entry.records if r.name == "roll_loops" and r.changed)
+    assert rolled, [r.name for r in entry.records]
+    table = cap.graph._graph_namespace._obj_to_name
+    assert not [n for n in table if isinstance(n, fx.Node) and n._erased]
+    live = {n for n in cap.graph.nodes}
+    assert all(n in live for n in table if isinstance(n, fx.Node))
+
+
+def test_the_entry_keeps_the_captured_code_not_a_copy_of_the_graph() -> None:
+    model, (ids,) = _loop_model()
+    cm = gs.compile(model, plan="adjoint", shard_size=64)
+    entry = cm.compiled_for(ids)
+    assert entry.original.code == entry.records[0].before  # the capture as the first pass saw it
+    assert entry.original.num_nodes > len(entry.captured.gm.graph.nodes)  # 67 steps unrolled, then rolled
+    assert f"captured {entry.original.num_nodes} nodes" in cm.explain()
+
+
+def test_nothing_outside_the_compiled_module_holds_its_graphs() -> None:
+    model, (ids,) = _loop_model()
+    cm = gs.compile(model, plan="adjoint", shard_size=64)
+    entry = cm.compiled_for(ids)
+    ref = weakref.ref(entry.gm)
+    del entry, cm
+    gc.collect()
+    assert ref() is None
