@@ -553,8 +553,11 @@ def backend(plan: str = "none", *, kernel_backend: str | None = None, inductor: 
     def compile_fn(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if any(not isinstance(x, torch.Tensor) for x in example_inputs):
             raise GradshardError("gs.backend needs static shapes: use torch.compile(..., dynamic=False)")
-        aten_gm = capture_graph_module(gm, example_inputs)
-        entry = compile_graph(aten_gm, example_inputs, plan, options, backend=kernel_backend)
+        sources = generated_sources()
+        with private_dispatch_cache():  # as CompiledModule.compile_first: the compile's leftovers go
+            aten_gm = capture_graph_module(gm, example_inputs)
+            entry = compile_graph(aten_gm, example_inputs, plan, options, backend=kernel_backend)
+        release_generated_sources(sources, [entry.gm])
         if inductor:
             entry = _with_inductor(entry)
         compiled.append(entry)
