@@ -209,7 +209,8 @@ class CompiledModule(nn.Module):
             out.append(e.gm)
             if e.captured is not None:
                 out.append(e.captured.gm)
-            out += [getattr(v, "graph", None) for v in e.ctx.plan_state.values()]
+            if e.ctx is not None:
+                out += [getattr(v, "graph", None) for v in e.ctx.plan_state.values()]
         return [g for g in out if isinstance(g, fx.GraphModule)]
 
     def _compile_miss(self, key: tuple, args: tuple, kwargs: dict,
