@@ -295,35 +295,11 @@ def _reference_scan(kind: str, a: torch.Tensor, u: torch.Tensor, d: int) -> torc
 
 
 def _match_tree(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: list[fx.Node], d: int) -> Optional[tuple[str, int, int, fx.Node]]:
-    """Try the diagonal/dense hypotheses numerically; ``(kind, a_index, u_index, h_output)``.
-
-    The proof runs first on a few channels (every dim but time and a dense state's matrix cut
-    to at most :data:`_PROOF_CHANNELS`), so it allocates the same small tensors whatever the
-    captured sizes; a tree that bakes a channel count into its ops cannot run there and is
-    proved at its own sizes."""
+    """Try the diagonal/dense hypotheses numerically; ``(kind, a_index, u_index, h_output)``."""
     if len(leaves) != 2:
         return None
-    shapes = [tuple(l.meta["val"].shape) for l in leaves]
-    for small in (True, False):
-        found = _try_hypotheses(tree_nodes, leaves, outputs, d, shapes, small)
-        if found is not None:
-            return found
-    return None
-
-
-#: Channels per dim for the associative-scan proof (3: no size-1 broadcasting coincidence).
-_PROOF_CHANNELS = 3
-
-
-def _proof_shape(shape: tuple[int, ...], d: int, keep_last: int) -> tuple[int, ...]:
-    """``shape`` with every dim but ``d`` and the last ``keep_last`` cut to ``_PROOF_CHANNELS``."""
-    n = len(shape)
-    return tuple(s if i == d % n or i >= n - keep_last else min(s, _PROOF_CHANNELS) for i, s in enumerate(shape))
-
-
-def _try_hypotheses(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: list[fx.Node], d: int,
-                    shapes: list[tuple[int, ...]], small: bool) -> Optional[tuple[str, int, int, fx.Node]]:
     gen = torch.Generator().manual_seed(1234)
+    shapes = [tuple(l.meta["val"].shape) for l in leaves]
     for ai, ui in ((0, 1), (1, 0)):
         for kind in ("diagonal", "dense"):
             sa, su = shapes[ai], shapes[ui]
@@ -331,11 +307,6 @@ def _try_hypotheses(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: l
                 continue
             if kind == "dense" and (len(sa) != len(su) or sa[-1] != sa[-2] or sa[-1] != su[-2]):
                 continue
-            if small:
-                sa = _proof_shape(sa, d, 2 if kind == "dense" else 0)
-                su = _proof_shape(su, d, 2 if kind == "dense" else 0)
-                if (sa, su) == (shapes[ai], shapes[ui]):
-                    continue  # nothing to cut: the full-size proof runs it
             a = 0.5 + 0.5 * torch.rand(sa, generator=gen, dtype=torch.float64)
             if kind == "dense":
                 a = a / sa[-1]
