@@ -7,12 +7,13 @@ arguments) gets its own capture and program; nothing is silently reused across s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import networkx as nx
 import torch
@@ -104,6 +105,17 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
     return CompiledGraph(plan, opts, original, out_gm, program, tuple(ctx.regions), tuple(records), ctx, captured)
 
 
+@contextlib.contextmanager
+def _leftovers_dropped(kept: Callable[[], Sequence[fx.GraphModule]]) -> Iterator[None]:
+    """Around a compile: drop what torch and fx would keep of it for the life of the process --
+    its fake-tensor dispatch-cache entries and the generated sources of every graph but those
+    ``kept()`` returns at exit (the graphs the compiled module runs or serves from)."""
+    sources = generated_sources()
+    with private_dispatch_cache():
+        yield
+    release_generated_sources(sources, kept())
+
+
 def _prepare(spec: Any, gm: fx.GraphModule, ctx: PassContext) -> list[PassRecord]:
     """Run the plan's ``prepare`` step (not a pass: it may talk to other ranks); record it."""
     if spec.prepare is None:
@@ -193,10 +205,8 @@ class CompiledModule(nn.Module):
         if entry is not None:
             self._cache.move_to_end(key)
         else:
-            sources = generated_sources()
-            with private_dispatch_cache():  # what the compile dispatched on fake tensors goes with it
+            with _leftovers_dropped(self._kept_graph_modules):
                 entry = self._compile_miss(key, args, kwargs, real_values)
-            release_generated_sources(sources, self._kept_graph_modules())
         if self.inductor and "run_eagerly" not in entry.extras:
             entry = _with_inductor(entry, self.segment_compiler)
         self._last = entry
@@ -554,11 +564,11 @@ def backend(plan: str = "none", *, kernel_backend: str | None = None, inductor: 
     def compile_fn(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if any(not isinstance(x, torch.Tensor) for x in example_inputs):
             raise GradshardError("gs.backend needs static shapes: use torch.compile(..., dynamic=False)")
-        sources = generated_sources()
-        with private_dispatch_cache():  # as CompiledModule.compile_first: the compile's leftovers go
+        kept: list[fx.GraphModule] = []
+        with _leftovers_dropped(lambda: kept):
             aten_gm = capture_graph_module(gm, example_inputs)
             entry = compile_graph(aten_gm, example_inputs, plan, options, backend=kernel_backend)
-        release_generated_sources(sources, [entry.gm])
+            kept.append(entry.gm)
         if inductor:
             entry = _with_inductor(entry)
         compiled.append(entry)

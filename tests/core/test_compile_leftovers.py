@@ -52,8 +52,8 @@ def test_a_compile_keeps_only_the_generated_sources_of_the_graphs_it_keeps() -> 
     before = set(_loader.eval_cache)
     cm = gs.compile(model, plan="adjoint", shard_size=64)
     cm.compiled_for(ids)
-    kept = {type(m).forward.__code__.co_filename for m in cm._kept_graph_modules() for m in m.modules()
-            if isinstance(m, fx.GraphModule)}
+    kept = {type(sub).forward.__code__.co_filename for root in cm._kept_graph_modules() for sub in root.modules()
+            if isinstance(sub, fx.GraphModule)}
     new = set(_loader.eval_cache) - before
     assert new and new <= kept  # the passes recompiled many intermediate graphs; none is kept
 
