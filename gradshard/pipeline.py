@@ -11,6 +11,7 @@ helpers every pass room shares live here too: :func:`copy_graph` and :func:`ance
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
@@ -21,7 +22,7 @@ from .errors import GradshardError
 from .ir import PassRecord, Region
 
 __all__ = ["PassContext", "PassResult", "GraphPass", "graph_pass", "run_passes", "lint_graph", "PassFailed",
-           "copy_graph", "GraphSummary", "summarize_graph", "forget_erased_nodes", "generated_sources", "release_generated_sources", "ancestors", "descendants"]
+           "copy_graph", "GraphSummary", "summarize_graph", "forget_erased_nodes", "generated_sources", "release_generated_sources", "TRACE_LOCK", "ancestors", "descendants"]
 
 
 class PassFailed(GradshardError):
@@ -122,25 +123,33 @@ def generated_sources() -> set[str]:
     return set(list(_loader.eval_cache))
 
 
+#: Held while tracing (make_fx is not thread-safe, and its stack-trace recording reads fx's
+#: generated sources through ``linecache``) and while :func:`release_generated_sources` runs.
+TRACE_LOCK = threading.RLock()
+
+
 def release_generated_sources(before: set[str], keep: Iterable[fx.GraphModule]) -> None:
-    """Drop the sources fx generated since ``before``, except those of ``keep`` and their submodules.
+    """Release the sources fx generated since ``before``, except those of ``keep`` and their submodules.
 
     Every ``recompile`` of a GraphModule stores its Python source in a process-wide cache
-    (``torch.fx.graph_module._loader``) and a lazy ``linecache`` entry, and never removes
-    them: a compile that rewrites a graph pass by pass would keep every intermediate
-    version's source. Only tracebacks read them, so a graph whose source is dropped still
-    runs; a traceback through it shows no source line (also for a graph another thread compiled
-    meanwhile: thread-based ranks compile side by side)."""
+    (``torch.fx.graph_module._loader``) and a lazy ``linecache`` entry (with a copy of the
+    module's globals), and never removes them: a compile that rewrites a graph pass by pass
+    would keep every intermediate version's source. Only tracebacks read them, so a graph whose
+    source is released still runs; a traceback through it shows no source line (also for a
+    graph another thread compiled meanwhile: thread-based ranks compile side by side). The
+    key stays with an empty source: fx's loader reads ``key in cache`` then ``cache[key]``,
+    which a deletion from another thread could split."""
     import linecache
 
     from torch.fx.graph_module import _loader
 
     kept = {type(m).forward.__code__.co_filename for root in keep for m in root.modules()
             if isinstance(m, fx.GraphModule) and hasattr(type(m).forward, "__code__")}
-    # list() copies the keys in one step: other threads (thread-based ranks) recompile meanwhile
-    for key in [k for k in list(_loader.eval_cache) if k not in before and k not in kept]:
-        del _loader.eval_cache[key]
-        linecache.cache.pop(key, None)
+    with TRACE_LOCK:
+        # list() copies the keys in one step: other threads (thread-based ranks) recompile meanwhile
+        for key in [k for k in list(_loader.eval_cache) if k not in before and k not in kept]:
+            _loader.eval_cache[key] = ""
+            linecache.cache.pop(key, None)
 
 
 def forget_erased_nodes(graph: fx.Graph) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -40,7 +39,7 @@ from torch.nn.utils import stateless
 from gradshard.capture.canonical import canonicalize
 from gradshard.capture.mutations import functionalize_buffer_updates
 from gradshard.errors import CaptureError
-from gradshard.pipeline import forget_erased_nodes
+from gradshard.pipeline import TRACE_LOCK, forget_erased_nodes
 from gradshard.capture.substitutions import substitute_known_kernels
 
 __all__ = ["Captured", "capture", "capture_graph_module", "GradshardTracer", "FRONTENDS", "guard_key", "state_key"]
@@ -49,8 +48,8 @@ FRONTENDS = ("python", "fx", "dynamo")
 # Trace on fake tensors: no activation is materialised while capturing, and library code
 # that probes values only outside tracing (transformers' padding-mask `.all()`) sees a trace.
 _TRACING_MODE = "fake"
-# Tracing swaps global dispatch state; ranks run as threads in tests and share it.
-_TRACE_LOCK = threading.RLock()
+# Tracing swaps global dispatch state; ranks run as threads in tests and share it: tracing holds
+# pipeline.TRACE_LOCK.
 
 
 # --------------------------------------------------------------------------- outputs
@@ -545,7 +544,7 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     correctly, at the price of decomposing composite ops (``linear`` becomes
     ``t``+``addmm``). A graph that still holds a constant requiring grad is rejected.
     """
-    with _TRACE_LOCK, _record_module_stack(modules):  # make_fx is not thread-safe
+    with TRACE_LOCK, _record_module_stack(modules):  # make_fx is not thread-safe
         gm = make_fx(fn, tracing_mode=mode, pre_dispatch=True, record_stack_traces=True,
                      _allow_non_fake_inputs=True)(*example)
         if _trainable_constants(gm):
