@@ -467,8 +467,10 @@ class CompiledModule(nn.Module):
         if "run_eagerly" in e.extras:
             lines.append(e.extras["run_eagerly"])
         if "respecialized_from" in e.extras:
-            lines.append(f"serving T={e.extras['seq_len']}: the program compiled at "
-                         f"T={e.extras['respecialized_from']}, re-specialised (no new capture); "
+            batch = (f", batch {e.extras['batch']}" if "batch" in e.extras else "",
+                     f", batch {e.extras['batch_from']}" if "batch" in e.extras else "")
+            lines.append(f"serving T={e.extras['seq_len']}{batch[0]}: the program compiled at "
+                         f"T={e.extras['respecialized_from']}{batch[1]}, re-specialised (no new capture); "
                          "the graph, passes and program below are the re-specialised ones")
         if "recaptured_because" in e.extras:
             lines.append(f"captured again because {e.extras['recaptured_because']}")

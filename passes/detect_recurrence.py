@@ -260,10 +260,16 @@ def _is_float_tensor(n: fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point and v.numel() > 1
 
 
-def _eval_subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], values: list[torch.Tensor]) -> list[torch.Tensor]:
+def _eval_subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], values: list[torch.Tensor],
+                   sizes: Optional[Callable[[list[Any]], list[Any]]] = None) -> list[torch.Tensor]:
+    """Run ``nodes`` on ``values`` for ``inputs``; each value is dropped after its last reader
+    among ``nodes`` (a combine tree has ~log2(T) levels of full-size intermediates).
+    ``sizes`` rewrites the size lists of reshaping ops (the proof on fewer channels)."""
     env: dict[fx.Node, Any] = dict(zip(inputs, values))
     gm = nodes[0].graph.owning_module if nodes else None
-    for n in nodes:
+    last_read = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+    keep = set(outputs) | set(inputs)
+    for i, n in enumerate(nodes):
         if n in env:
             continue
         if n.op == "get_attr":
@@ -271,8 +277,39 @@ def _eval_subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx
             continue
         args = fx.node.map_arg(n.args, lambda a: env[a] if a in env else _const(a, gm))
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a] if a in env else _const(a, gm))
+        if sizes is not None and n.target in _SIZE_LISTS and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            args = (args[0], sizes(list(args[1])), *args[2:])
         env[n] = n.target(*args, **kwargs)
+        for a in n.all_input_nodes:
+            if last_read.get(a) == i and a not in keep:
+                env.pop(a, None)
     return [env[o] for o in outputs]
+
+
+#: Ops whose second argument is a size list baked at the captured sizes.
+_SIZE_LISTS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def _channel_sizes(full: tuple[int, ...], small: tuple[int, ...], d: int) -> Callable[[list[Any]], list[Any]]:
+    """Map a size list written for ``full`` leaves to ``small`` ones: the dims before time ``d``
+    aligned from the left, those after it from the right; only entries equal to the full size
+    at their place change (a wrong guess fails or misses the reference, and the proof then runs
+    at full size)."""
+    n = len(full)
+    before, after = list(zip(full[:d], small[:d])), list(zip(full[d + 1:], small[d + 1:]))
+
+    def remap(lst: list[Any]) -> list[Any]:
+        out = list(lst)
+        for i, (f, s) in enumerate(before[: len(out)]):
+            if out[i] == f:
+                out[i] = s
+        for k, (f, s) in enumerate(reversed(after)):
+            j = len(out) - 1 - k
+            if j >= len(before) and out[j] == f:
+                out[j] = s
+        return out
+
+    return remap if n == len(small) else (lambda lst: lst)
 
 
 def _const(a: fx.Node, gm: Any) -> Any:
@@ -295,11 +332,35 @@ def _reference_scan(kind: str, a: torch.Tensor, u: torch.Tensor, d: int) -> torc
 
 
 def _match_tree(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: list[fx.Node], d: int) -> Optional[tuple[str, int, int, fx.Node]]:
-    """Try the diagonal/dense hypotheses numerically; ``(kind, a_index, u_index, h_output)``."""
+    """Try the diagonal/dense hypotheses numerically; ``(kind, a_index, u_index, h_output)``.
+
+    The proof runs first on a few channels (every dim but time and a dense state's matrix cut
+    to at most :data:`_PROOF_CHANNELS`), so it allocates the same small tensors whatever the
+    captured sizes; a tree that bakes a channel count into its ops cannot run there and is
+    proved at its own sizes."""
     if len(leaves) != 2:
         return None
-    gen = torch.Generator().manual_seed(1234)
     shapes = [tuple(l.meta["val"].shape) for l in leaves]
+    for small in (True, False):
+        found = _try_hypotheses(tree_nodes, leaves, outputs, d, shapes, small)
+        if found is not None:
+            return found
+    return None
+
+
+#: Channels per dim for the associative-scan proof (3: no size-1 broadcasting coincidence).
+_PROOF_CHANNELS = 3
+
+
+def _proof_shape(shape: tuple[int, ...], d: int, keep_last: int) -> tuple[int, ...]:
+    """``shape`` with every dim but ``d`` and the last ``keep_last`` cut to ``_PROOF_CHANNELS``."""
+    n = len(shape)
+    return tuple(s if i == d % n or i >= n - keep_last else min(s, _PROOF_CHANNELS) for i, s in enumerate(shape))
+
+
+def _try_hypotheses(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: list[fx.Node], d: int,
+                    shapes: list[tuple[int, ...]], small: bool) -> Optional[tuple[str, int, int, fx.Node]]:
+    gen = torch.Generator().manual_seed(1234)
     for ai, ui in ((0, 1), (1, 0)):
         for kind in ("diagonal", "dense"):
             sa, su = shapes[ai], shapes[ui]
@@ -307,6 +368,11 @@ def _match_tree(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: list[
                 continue
             if kind == "dense" and (len(sa) != len(su) or sa[-1] != sa[-2] or sa[-1] != su[-2]):
                 continue
+            if small:
+                sa = _proof_shape(sa, d, 2 if kind == "dense" else 0)
+                su = _proof_shape(su, d, 2 if kind == "dense" else 0)
+                if (sa, su) == (shapes[ai], shapes[ui]):
+                    continue  # nothing to cut: the full-size proof runs it
             a = 0.5 + 0.5 * torch.rand(sa, generator=gen, dtype=torch.float64)
             if kind == "dense":
                 a = a / sa[-1]
@@ -314,7 +380,8 @@ def _match_tree(tree_nodes: list[fx.Node], leaves: list[fx.Node], outputs: list[
             vals = [None, None]
             vals[ai], vals[ui] = a, u
             try:
-                outs = _eval_subgraph(tree_nodes, leaves, outputs, vals)
+                outs = _eval_subgraph(tree_nodes, leaves, outputs, vals,
+                                      _channel_sizes(shapes[ui], su, d % len(su)) if small else None)
             except Exception:  # noqa: BLE001 - a hypothesis that does not even run is false
                 continue
             want = _reference_scan(kind, a, u, d)

@@ -1,4 +1,4 @@
-"""Re-specialise a captured graph to another sequence length.
+"""Re-specialise a captured graph to another sequence length (and batch size).
 
 A captured aten graph has the sequence length ``T`` baked into its integer arguments
 (``view(x, [2, 32, 8])``, ``slice(conv, 2, 0, 32)``, ``new_zeros(x, [2, 32])``). Plans use
@@ -15,6 +15,10 @@ time is either
   sizes ``>= T/2`` are taken to move with ``T``,
 * ``scale m``: size ``m * T`` (time merged with other dims, e.g. ``B*T`` rows),
 * ``fixed``: a short piece along time (``x[:, :1]``, sizes ``< T/2``) that keeps its size.
+
+A fact may also carry the batch (``DimFact.batch``: the dim is in the class of the inputs'
+batch dim, alone or merged with time or heads); its size then scales with the batch, so the
+same graph serves another batch size too (``batch=(B_old, B_new)``).
 
 :func:`respecialize` rewrites size lists (view/reshape/expand/new_zeros/full/...), slice and
 narrow bounds, select indices and ``arange`` ends from the facts, then *verifies* the result
@@ -41,7 +45,7 @@ from gradshard.analysis.dims import shape_of
 aten = torch.ops.aten
 
 __all__ = ["DimFact", "Facts", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate",
-           "call_length", "cut_call"]
+           "call_length", "call_sizes", "cut_call"]
 
 
 class RespecializeError(RuntimeError):
@@ -50,25 +54,41 @@ class RespecializeError(RuntimeError):
 
 @dataclass(frozen=True)
 class DimFact:
-    """How one output dim's size depends on the sequence length ``T``."""
+    """How one output dim's size depends on the sequence length ``T`` and, with ``batch``, on
+    the batch size ``B`` (the size is then a multiple of ``B`` and scales with it)."""
 
     kind: str  # "shift" | "scale" | "fixed"
     value: int
+    batch: bool = False
 
-    def size(self, T: int, old: int) -> int:
+    def size(self, T: int, old: int, batch: tuple[int, int] = (1, 1)) -> int:
+        """The size at length ``T``; ``batch``: the captured and the new batch size."""
         if self.kind == "shift":
-            return T + self.value
-        if self.kind == "scale":
-            return self.value * T
-        return old
+            n = T + self.value
+        elif self.kind == "scale":
+            n = self.value * T
+        else:
+            n = old
+        b_old, b_new = batch
+        return n // b_old * b_new if self.batch and b_old != b_new else n
+
+    def moves(self, batch: tuple[int, int] = (1, 1)) -> bool:
+        """Whether the size changes with ``T`` (or with the batch, when it changes)."""
+        return self.kind != "fixed" or (self.batch and batch[0] != batch[1])
 
 
 Facts = Mapping[str, tuple[Optional[DimFact], ...]]
 
 
-def time_facts(gm: fx.GraphModule, tl: Any, T: Optional[int] = None) -> dict[str, tuple[Optional[DimFact], ...]]:
-    """Facts for every tensor node of ``gm`` from the time analysis ``tl`` (see module doc)."""
+def time_facts(gm: fx.GraphModule, tl: Any, T: Optional[int] = None,
+               batch_inputs: Mapping[str, int] | None = None) -> dict[str, tuple[Optional[DimFact], ...]]:
+    """Facts for every tensor node of ``gm`` from the time analysis ``tl`` (see module doc).
+
+    ``batch_inputs`` (placeholder name -> batch dim): the dims in those dims' classes carry the
+    batch, and their facts say so (:attr:`DimFact.batch`); without it no fact does."""
     T = int(T or tl.seq_len)
+    batch_classes = {tl.dims.canon(tl.dims.input_labels[name][d]) for name, d in (batch_inputs or {}).items()}
+    batch_classes.discard(tl.time_class)
     out: dict[str, tuple[Optional[DimFact], ...]] = {}
     for node in gm.graph.nodes:
         shp = shape_of(node)
@@ -78,14 +98,16 @@ def time_facts(gm: fx.GraphModule, tl: Any, T: Optional[int] = None) -> dict[str
         nd = tl.dims.dims_of(node)
         facts: list[Optional[DimFact]] = []
         for i, s in enumerate(shp):
-            if i not in tdims:
-                facts.append(None)
-                continue
             labels = nd.dims[i] if nd is not None and i < len(nd.dims) else frozenset()
             classes = {tl.dims.canon(l) for l in labels}
+            batched = bool(classes & batch_classes)
+            if i not in tdims:
+                facts.append(DimFact("fixed", s, batch=True) if batched else None)
+                continue
             merged = any(c != tl.time_class for c in classes)
             if merged:
-                facts.append(DimFact("scale", s // T) if T and s % T == 0 else DimFact("fixed", s))
+                facts.append(DimFact("scale", s // T, batch=batched) if T and s % T == 0
+                             else DimFact("fixed", s, batch=batched))
             elif T and 2 * s >= T:
                 facts.append(DimFact("shift", s - T))
             else:
@@ -94,17 +116,18 @@ def time_facts(gm: fx.GraphModule, tl: Any, T: Optional[int] = None) -> dict[str
     return out
 
 
-def expected_shape(old: Sequence[int], facts: Sequence[Optional[DimFact]], T: int) -> tuple[int, ...]:
-    """The shape a node with ``facts`` has at length ``T``."""
-    return tuple(f.size(T, s) if f is not None else s for s, f in zip(old, facts))
+def expected_shape(old: Sequence[int], facts: Sequence[Optional[DimFact]], T: int,
+                   batch: tuple[int, int] = (1, 1)) -> tuple[int, ...]:
+    """The shape a node with ``facts`` has at length ``T`` (and batch ``batch[1]``, captured at ``batch[0]``)."""
+    return tuple(f.size(T, s, batch) if f is not None else s for s, f in zip(old, facts))
 
 
 # --------------------------------------------------------------------------- argument rewriting
 
 
 class _Rewriter:
-    def __init__(self, facts: Facts, T_old: int, T_new: int) -> None:
-        self.facts, self.T_old, self.T_new = facts, T_old, T_new
+    def __init__(self, facts: Facts, T_old: int, T_new: int, batch: tuple[int, int]) -> None:
+        self.facts, self.T_old, self.T_new, self.batch = facts, T_old, T_new, batch
 
     def out_facts(self, node: fx.Node) -> tuple[Optional[DimFact], ...]:
         return self.facts.get(node.name, ())
@@ -112,7 +135,7 @@ class _Rewriter:
     def new_size(self, node: fx.Node, dim: int, old: int) -> int:
         f = self.out_facts(node)
         if dim < len(f) and f[dim] is not None and old != -1:
-            return f[dim].size(self.T_new, old)
+            return f[dim].size(self.T_new, old, self.batch)
         return old
 
     def in_sizes(self, src: Any, dim: int) -> tuple[int, int, Optional[DimFact]]:
@@ -121,7 +144,7 @@ class _Rewriter:
         dim = dim % max(len(shp), 1)
         old = shp[dim] if dim < len(shp) else 0
         fact = f[dim] if dim < len(f) else None
-        new = fact.size(self.T_new, old) if fact is not None else old
+        new = fact.size(self.T_new, old, self.batch) if fact is not None else old
         return old, new, fact
 
     # -- per-op handlers -------------------------------------------------
@@ -148,7 +171,7 @@ class _Rewriter:
             return None
         if dim >= len(shp) or length != shp[dim] or not isinstance(start, int) or start < 0:
             return None
-        return f[dim].size(self.T_new, length)
+        return f[dim].size(self.T_new, length, self.batch)
 
     def slice(self, node: fx.Node) -> tuple:
         args = list(node.args) + [None] * (5 - len(node.args))
@@ -161,6 +184,12 @@ class _Rewriter:
             if length is not None:
                 args[3] = first + length
                 return tuple(args[: max(len(node.args), 4)])
+        if fact is not None and fact.kind == "fixed" and old != new:
+            # a batch dim: only a slice over the whole batch moves with it (a partial one keeps
+            # its bounds; the verification refuses what that gets wrong)
+            if start in (None, 0) and isinstance(end, int) and old <= end < 2**62:
+                args[3] = new
+            return tuple(args[: max(len(node.args), 4)])
         if fact is None or fact.kind == "fixed" or old == new:
             return tuple(node.args)
         delta = new - old
@@ -200,7 +229,7 @@ class _Rewriter:
         if not f or f[0] is None:
             return tuple(node.args)
         old_len = (shape_of(node) or (0,))[0]
-        new_len = f[0].size(self.T_new, old_len)
+        new_len = f[0].size(self.T_new, old_len, self.batch)
         args = list(node.args)
         if node.target is aten.arange.default:
             args[0] = new_len
@@ -233,39 +262,45 @@ _REFUSE = {aten.as_strided.default, aten.empty_strided.default, aten.split_with_
            aten.lift_fresh.default}
 
 
-def _symint_args_suspicious(node: fx.Node, T_old: int) -> bool:
-    """Unhandled integer size arguments equal to the captured length (whole-graph mode)."""
+def _symint_args_suspicious(node: fx.Node, T_old: int, batch: tuple[int, int] = (1, 1)) -> bool:
+    """Unhandled integer size arguments equal to the captured length, or to the captured length
+    times the captured batch when the batch changes (whole-graph mode)."""
     schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    if schema is None or T_old <= 1:
         return False
+    counts = {T_old, 1.0 / T_old}
+    if batch[0] != batch[1]:
+        counts |= {batch[0] * T_old, 1.0 / (batch[0] * T_old)}
     for arg, val in zip(schema.arguments, node.args):
         t = str(arg.type)
         if "SymInt" in t or t in ("Scalar", "float", "int"):
             vals = val if isinstance(val, (list, tuple)) else [val]
             for v in vals:
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v in (T_old, 1.0 / T_old) and T_old > 1:
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v in counts:
                     return True
     return False
 
 
 def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
                  strict_scalars: bool = False, module_outputs: Optional[Callable[[fx.Node, list], Any]] = None,
-                 ) -> fx.GraphModule:
+                 batch: tuple[int, int] = (1, 1)) -> fx.GraphModule:
     """A copy of ``gm`` for sequence length ``T_new`` (verified; see the module doc).
+
+    ``batch``: the captured and the new batch size; dims whose facts carry the batch move with it.
 
     ``strict_scalars``: refuse graphs with unhandled integer/scalar arguments equal to
     ``T_old`` (used for whole programs, where e.g. a baked ``1/T`` would be wrong).
     ``module_outputs(node, args)`` produces fake outputs for ``call_module`` nodes during
     verification (default: call the module under the fake mode).
     """
-    rw = _Rewriter(facts, T_old, T_new)
+    rw = _Rewriter(facts, T_old, T_new, batch)
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
             f = facts.get(node.name, ())
-            timed = any(x is not None and x.kind != "fixed" for x in f)
-            in_timed = any(any(x is not None and x.kind != "fixed" for x in facts.get(a.name, ())) for a in node.all_input_nodes)
+            timed = any(x is not None and x.moves(batch) for x in f)
+            in_timed = any(any(x is not None and x.moves(batch) for x in facts.get(a.name, ())) for a in node.all_input_nodes)
             if node.target in _REFUSE and timed:
                 raise RespecializeError(f"node `{node.name}` ({node.target}) has a time-carrying output built from baked data")
             if node.target in _SIZE_ARG:
@@ -273,7 +308,7 @@ def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
             elif node.target in _HANDLERS and (timed or in_timed):
                 args = _HANDLERS[node.target](rw, node)
             else:
-                if strict_scalars and (timed or in_timed) and _symint_args_suspicious(node, T_old):
+                if strict_scalars and (timed or in_timed) and _symint_args_suspicious(node, T_old, batch):
                     raise RespecializeError(
                         f"node `{node.name}` ({node.target}) has an argument equal to the captured length {T_old}")
                 args = tuple(node.args)
@@ -284,7 +319,7 @@ def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
         new.meta = dict(node.meta)
         env[node] = new
     out = fx.GraphModule(gm, new_graph, gm.__class__.__name__)
-    fake_propagate(out, facts, T_new, module_outputs=module_outputs)
+    fake_propagate(out, facts, T_new, module_outputs=module_outputs, batch=batch)
     return out
 
 
@@ -302,8 +337,8 @@ def _quiet_fake_tensor_errors() -> Any:
 
 
 def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
-                   inputs: Optional[Sequence[torch.Tensor]] = None,
-                   module_outputs: Optional[Callable[[fx.Node, list], Any]] = None) -> None:
+                   module_outputs: Optional[Callable[[fx.Node, list], Any]] = None,
+                   batch: tuple[int, int] = (1, 1)) -> None:
     """Run ``gm`` on fake tensors at length ``T_new``; check every shape; refresh ``meta['val']``
     (placeholders included)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -317,7 +352,7 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 if not isinstance(old, torch.Tensor):
                     env[node] = old
                     continue
-                shape = expected_shape(old.shape, facts.get(node.name, ()), T_new)
+                shape = expected_shape(old.shape, facts.get(node.name, ()), T_new, batch)
                 env[node] = torch.empty(shape, dtype=old.dtype, device=old.device).requires_grad_(old.requires_grad)
                 node.meta["val"] = env[node]  # analyses of the new graph read its inputs' shapes here
                 continue
@@ -339,7 +374,7 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
             env[node] = val
             old = node.meta.get("val")
             if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor):
-                want = expected_shape(old.shape, facts.get(node.name, ()), T_new)
+                want = expected_shape(old.shape, facts.get(node.name, ()), T_new, batch)
                 if tuple(val.shape) != want:
                     raise RespecializeError(
                         f"node `{node.name}` ({getattr(node.target, '__name__', node.target)}) has shape "
@@ -355,6 +390,17 @@ def call_length(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args:
     their time dims (``time_inputs``: placeholder name -> time dim of ``graph``'s inputs), or
     None when anything else differs (structure, dtype, rank, device, ``requires_grad``, another
     size, a constant argument) or no input carries time."""
+    sizes = call_sizes(cap, graph, time_inputs, {}, args, kwargs)
+    return None if sizes is None else sizes[0]
+
+
+def call_sizes(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], batch_inputs: Mapping[str, int],
+               args: tuple, kwargs: dict) -> Optional[tuple[int, Optional[int]]]:
+    """``(T, B)`` of a call whose inputs differ from ``cap``'s example inputs only along their
+    time dims (``time_inputs``) and batch dims (``batch_inputs``; placeholder name -> dim of
+    ``graph``'s inputs), or None when anything else differs (structure, dtype, rank, device,
+    ``requires_grad``, another size, a constant argument) or no input carries time. ``B`` is
+    None when no input has a batch dim."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if spec != cap.input_spec:
         return None
@@ -363,32 +409,39 @@ def call_length(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args:
     phs = list(graph.find_nodes(op="placeholder"))[cap.num_state:]
     if len(new) != len(old) or len(phs) != len(old):
         return None
-    T_new: Optional[int] = None
+    found: dict[str, Optional[int]] = {"T": None, "B": None}
     for t, o, ph in zip(new, old, phs):
         if (not isinstance(t, torch.Tensor) or t.dtype != o.dtype or t.dim() != o.dim() or t.device != o.device
                 or t.requires_grad != o.requires_grad):
             return None
-        td = time_inputs.get(ph.name)
+        axes = {time_inputs.get(ph.name): "T", batch_inputs.get(ph.name): "B"}
         for d, (a, b) in enumerate(zip(t.shape, o.shape)):
-            if d == td:
-                if T_new is not None and T_new != int(a):
+            which = axes.get(d)
+            if which is None:
+                if a != b:
                     return None
-                T_new = int(a)
-            elif a != b:
+                continue
+            if found[which] is not None and found[which] != int(a):
                 return None
+            found[which] = int(a)
     for i, leaf in enumerate(leaves):
         if i not in cap.tensor_positions and leaf is not cap.constant_leaves[i] and leaf != cap.constant_leaves[i]:
             return None
-    return T_new
+    return None if found["T"] is None else (found["T"], found["B"])
 
 
 def cut_call(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args: tuple, kwargs: dict,
-             length: int) -> tuple[tuple, dict]:
-    """The call's inputs cut to their first ``length`` steps along their time dims."""
+             length: int, batch_inputs: Mapping[str, int] | None = None,
+             batch: Optional[int] = None) -> tuple[tuple, dict]:
+    """The call's inputs cut to their first ``length`` steps along their time dims (and to
+    their first ``batch`` rows along ``batch_inputs``' dims, when given)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     phs = list(graph.find_nodes(op="placeholder"))[cap.num_state:]
     for pos, ph in zip(cap.tensor_positions, phs):
         td = time_inputs.get(ph.name)
         if td is not None:
             leaves[pos] = leaves[pos].narrow(td, 0, length)
+        bd = (batch_inputs or {}).get(ph.name)
+        if bd is not None and batch is not None:
+            leaves[pos] = leaves[pos].narrow(bd, 0, batch)
     return pytree.tree_unflatten(leaves, spec)

@@ -19,10 +19,13 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+aten = torch.ops.aten
+
 __all__ = [
     "Labels", "Factors", "NodeDims", "SplitRecord", "DimAnalysis", "DimsContext", "Rule", "DIM_RULES",
     "register_dim_rule",
     "shape_of", "norm_dim", "merge_selected", "broadcast_dims", "tensor_args", "pointwise_rule", "carry_factors",
+    "iota_length",
 ]
 
 Labels = tuple[frozenset[int], ...]
@@ -244,3 +247,28 @@ def pointwise_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     """Elementwise ops: every tensor argument broadcast against the output."""
     return broadcast_dims(node, ctx, tensor_args(node))
 
+
+# --------------------------------------------------------------------------- index values
+
+#: Ops an ``arange`` index passes through unchanged in value order (views, casts, ``+ 0``).
+_IOTA_PASS = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default,
+              aten._to_copy.default, aten.to.dtype, aten.to.device, aten.clone.default, aten.alias.default}
+
+
+def iota_length(n: Any) -> int | None:
+    """``n`` for an index that is ``arange(n)`` (start 0, step 1) seen through views, casts
+    and ``+ 0``; else None."""
+    while isinstance(n, fx.Node):
+        args = n.args
+        if n.target is aten.arange.default:
+            return args[0] if isinstance(args[0], int) else None
+        if n.target in (aten.arange.start, aten.arange.start_step):
+            step = args[2] if len(args) > 2 else 1
+            return args[1] if args[0] == 0 and step == 1 and isinstance(args[1], int) else None
+        if n.target is aten.add.Tensor and len(args) > 1 and not isinstance(args[1], fx.Node) and args[1] == 0:
+            n = args[0]
+        elif n.target in _IOTA_PASS:
+            n = args[0]
+        else:
+            return None
+    return None

@@ -27,7 +27,7 @@ _SAME_SHAPE_OPS = [
     aten.dropout, aten.native_dropout, aten.masked_fill, aten.where, aten.fill, aten.zeros_like,
     aten.ones_like, aten.empty_like, aten.full_like, aten.rand_like, aten.randn_like,
     aten.silu, aten.gelu, aten.relu, aten.softplus, aten.sigmoid, aten.tanh, aten.clamp,
-    aten.lift_fresh_copy, aten.copy, aten.expand, aten.expand_as, aten.broadcast_to,
+    aten.lift_fresh_copy, aten.copy, aten.expand_as,
     aten.masked_fill_, aten.dropout_, aten.feature_dropout, aten.hardtanh,
     aten.leaky_relu, aten.elu, aten.mish, aten.logit, aten.nan_to_num, aten.pow, aten.lerp,
     aten.addcmul, aten.addcdiv, aten.clamp_min, aten.clamp_max, aten.bitwise_not,
@@ -35,8 +35,22 @@ _SAME_SHAPE_OPS = [
     aten.gt, aten.ge, aten.minimum, aten.maximum, aten.log_sigmoid, aten.hardswish,
     aten.hardsigmoid, aten.relu6, aten.softshrink, aten.hardshrink, aten.selu, aten.celu,
     aten.square, aten.bernoulli,
+    # boolean mask algebra (``__and__`` carries no pointwise tag): masks combine as broadcasts
+    aten.__and__, aten.__or__, aten.__xor__, aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor,
+    aten.logical_xor,
 ]
 register_dim_rule(*_SAME_SHAPE_OPS)(pointwise_rule)
+
+
+@register_dim_rule(aten.expand, aten.broadcast_to)
+def _expand_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    """A pointwise op, except that a dim the input broadcasts (size 1, or new) to a size > 1
+    gets a fresh label: a later broadcast against a tensor with that axis unifies the two, so
+    ``arange(T).expand(B, T)`` is in the batch's class along dim 0, not an axis of its own."""
+    nd = pointwise_rule(node, ctx)
+    shape = shape_of(node) or ()
+    dims = tuple(ls if ls or size == 1 else frozenset({ctx.fresh()}) for ls, size in zip(nd.dims, shape))
+    return NodeDims(dims, nd.selected, factors=nd.factors)
 
 
 def _partly_written_dims(dest: Any) -> set[int]:
@@ -305,6 +319,17 @@ def _sdpa_rule(node: fx.Node, ctx: DimsContext) -> NodeDims | tuple[NodeDims | N
     q, k, v = node.args[:3]
     qd, kd, vd = ctx.dims(q), ctx.dims(k), ctx.dims(v)
     ctx.unify([(kd[-2], None), (vd[-2], None)])
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if isinstance(mask, fx.Node) and node.target is aten.scaled_dot_product_attention.default:
+        # the mask broadcasts against the scores (..., L, S): its dims are the query's batch
+        # dims, the query length and the key length
+        target = [(s, ls) for s, ls in zip(_out_shape(q), qd)][:-1]
+        target.append(((shape_of(k) or (0, 0))[-2], kd[-2]))
+        mshape, md = shape_of(mask) or (), ctx.dims(mask)
+        off = len(target) - len(mshape)
+        for i, (size, ls) in enumerate(zip(mshape, md)):
+            if 0 <= i + off < len(target) and size == target[i + off][0] and size != 1:
+                ctx.unify([(ls, ctx.factors(mask, i)), (target[i + off][1], None)])
     nd = NodeDims(tuple(qd[:-1]) + (vd[-1],), merge_selected(node, ctx))
     return _first_output(node, nd)
 

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .dim_core import (DimsContext, Factors, Labels, NodeDims, SplitRecord, carry_factors, merge_selected,
-                       norm_dim, register_dim_rule, shape_of)
+from .dim_core import (DimsContext, Factors, Labels, NodeDims, SplitRecord, carry_factors, iota_length,
+                       merge_selected, norm_dim, register_dim_rule, shape_of)
 
 aten = torch.ops.aten
 
@@ -298,7 +298,12 @@ def _same_rank_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
 
 @register_dim_rule(aten.index)
 def _index_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
+    """``x[i0, i1, ...]``: a dim indexed by ``arange`` over its whole size is the index's axis
+    (:func:`_unify_iota_indices`); one index tensor puts its dims in place of the indexed dim;
+    several adjacent ones put their broadcast dims there (``mask[b_idx, kv_idx]``, as
+    transformers' padding masks read the attention mask); other forms get fresh labels."""
     src, idx = node.args[0], node.args[1]
+    _unify_iota_indices(src, idx, ctx)
     dims = list(ctx.dims(src))
     out_shape = shape_of(node) or ()
     idx_nodes = [i for i in idx if i is not None]
@@ -308,7 +313,40 @@ def _index_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
         out = tuple(dims[:k]) + tuple(idx_dims) + tuple(dims[k + 1 :])
         if len(out) == len(out_shape):
             return NodeDims(out, merge_selected(node, ctx), factors=_index_factors(node, ctx, k, out, out_shape))
+    positions = [j for j, i in enumerate(idx) if i is not None]
+    if (len(positions) > 1 and positions == list(range(positions[0], positions[-1] + 1))
+            and all(isinstance(idx[j], fx.Node) and shape_of(idx[j]) is not None for j in positions)):
+        k0, k1 = positions[0], positions[-1] + 1
+        n_b = len(out_shape) - (len(dims) - (k1 - k0))
+        b_shape = out_shape[k0:k0 + n_b]
+        labels: list[set[int]] = [set() for _ in b_shape]
+        for j in positions:
+            ishape, idims = shape_of(idx[j]), ctx.dims(idx[j])
+            off = n_b - len(ishape)
+            for i, (size, ls) in enumerate(zip(ishape, idims)):
+                if 0 <= i + off < n_b and size == b_shape[i + off] and size != 1:
+                    labels[i + off] |= ls
+        for ls in labels:
+            ctx.union(ls)
+        out = tuple(dims[:k0]) + tuple(frozenset(ls) for ls in labels) + tuple(dims[k1:])
+        if len(out) == len(out_shape):
+            return NodeDims(out, merge_selected(node, ctx))
     return NodeDims(ctx.fresh_dims(out_shape))
+
+
+def _unify_iota_indices(src: Any, idx: Any, ctx: DimsContext) -> None:
+    """``x[..., arange(n), ...]`` with ``n`` the size of the indexed dim reads that dim in order:
+    the index's one non-1 dim and the indexed dim are the same axis."""
+    src_shape, src_dims = shape_of(src) if isinstance(src, fx.Node) else None, ctx.dims(src)
+    if src_shape is None:
+        return
+    for j, i in enumerate(idx):
+        if j >= len(src_shape) or not isinstance(i, fx.Node) or src_shape[j] == 1:
+            continue
+        ishape = shape_of(i) or ()
+        wide = [d for d, size in enumerate(ishape) if size != 1]
+        if len(wide) == 1 and ishape[wide[0]] == src_shape[j] and iota_length(i) == src_shape[j]:
+            ctx.unify([(src_dims[j], ctx.factors(src, j)), (ctx.dims(i)[wide[0]], ctx.factors(i, wide[0]))])
 
 
 def _index_factors(node: fx.Node, ctx: DimsContext, k: int, out: Labels,

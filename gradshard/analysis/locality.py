@@ -35,6 +35,7 @@ import torch.fx as fx
 from gradshard.errors import GradshardError
 
 from .consts import evaluate_constant
+from .dim_core import iota_length
 from .dims import DimAnalysis, analyze_dims, shape_of
 
 aten = torch.ops.aten
@@ -319,7 +320,9 @@ def is_causal_mask(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] | None
     Masking part of the past too (sliding windows) is still causal.
     """
     val = evaluate_constant(mask, known)
-    if val is None or val.dim() < 2 or val.shape[-1] < 2:
+    if val is None:
+        return _causal_by_structure(op, mask, known)
+    if val.dim() < 2 or val.shape[-1] < 2:
         return False
     m = val.detach().reshape(-1, val.shape[-2], val.shape[-1])
     tq, tk = m.shape[-2:]
@@ -333,6 +336,33 @@ def is_causal_mask(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] | None
     else:
         masked = torch.isneginf(m) | (m < -1e4)
     return bool(masked[:, future].all())
+
+
+#: Ops a mask passes through unchanged where its trailing (query, key) dims keep their sizes.
+_MASK_PASS = {aten.expand.default, aten.clone.default, aten._to_copy.default, aten.to.dtype, aten.to.device,
+              aten.alias.default, aten.contiguous.default}
+_BOOL_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
+_BOOL_OR = {aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default}
+
+
+def _causal_by_structure(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] | None) -> bool:
+    """A boolean mask that reads a graph input (a padding mask) is causal when it masks at least
+    what a causal operand masks: ``causal & other`` where True keeps (SDPA, ``where``),
+    ``causal | other`` where True masks (``masked_fill``); seen through ops that keep the
+    mask's trailing (query, key) sizes (a ``(1, S)`` row broadcast to ``(L, S)`` is not)."""
+    val = mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2:
+        return False
+    combine = _BOOL_OR if op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) else _BOOL_AND
+    if mask.target in _MASK_PASS and isinstance(mask.args[0], fx.Node):
+        src = mask.args[0].meta.get("val")
+        return (isinstance(src, torch.Tensor) and src.dim() >= 2 and tuple(src.shape[-2:]) == tuple(val.shape[-2:])
+                and is_causal_mask(op, mask.args[0], known))
+    if mask.target in combine:
+        return any(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                   and a.meta["val"].dim() >= 2 and tuple(a.meta["val"].shape[-2:]) == tuple(val.shape[-2:])
+                   and is_causal_mask(op, a, known) for a in mask.args[:2])
+    return False
 
 
 def _shift_of_slice(node: fx.Node, time_dim: int) -> Reach | None:
@@ -533,6 +563,9 @@ def _node_info(node: fx.Node, tdims: tuple[int, ...], info: dict[str, TimeInfo],
                aten.index.Tensor) and src_td is not None:
         axis_args = node.args[1] if len(node.args) > 1 else None
         axes = axis_args if isinstance(axis_args, (list, tuple)) else [axis_args]
+        if (tgt is aten.index.Tensor and src_td < len(node.args[1])
+                and iota_length(node.args[1][src_td]) == (shape_of(src) or ())[src_td]):
+            return make(POINTWISE, "reads time in order (an arange index over the whole axis)")
         if tgt is aten.index.Tensor or any(a is not None and a % len(shape_of(node) or (1,)) == src_td for a in axes):
             return make(GLOBAL, "reorders or gathers along time")
         return make(POINTWISE, "indexing along a non-time axis")

@@ -26,11 +26,19 @@ and then :func:`serve_new_length` serves it: it re-specialises the kept graph to
 fake-tensor propagation) and runs part 2 on it. Capture and the length-generic passes thus
 cost the same at every ``T``, and a loop-written model unrolls the probe's steps, not ``T``.
 
+Batch: when every time-carrying input has the same batch size ``B >= 2`` on dim 0 (and ``B``
+is not ``T``), the time facts also mark the dims in that batch's class, and a call at another
+batch size (with or without another length) is served the same way. A batch of one cannot be
+told from a broadcast dim, so a graph captured at batch 1 serves batch 1 only; the adjoint
+plans (:mod:`gradshard.plans.adjoint.generic`) serve new lengths only. Either way a new batch
+that is not served compiles a new probe, not a full-length capture.
+
 Exactness: as the adjoint plan's specialiser does, the first time a kept graph serves
-another length it is re-specialised to the probe length plus one and checked against a real
-capture at that length (same passes, the call's inputs cut to that length, forward values
-compared); a graph that fails the check, or a re-specialisation refused by the shape
-verification, falls back to capturing at the call's length.
+another length (another batch; both) it is re-specialised to the probe length plus one (the
+batch plus one; both) and checked against a real capture there (same passes, the call's inputs
+cut to those sizes, forward values compared); a graph that fails the check, or a
+re-specialisation refused by the shape verification, is not served from (another entry may be,
+else the call compiles a new probe or captures at its own sizes).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from gradshard.errors import GradshardError
 from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
-from gradshard.passes.respecialize import RespecializeError, call_length, cut_call, respecialize, time_facts
+from gradshard.passes.respecialize import RespecializeError, call_sizes, cut_call, respecialize, time_facts
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 
 __all__ = ["PROBE_LENGTH", "LengthGeneric", "UnrolledLoop", "record_length_generic", "serve_new_length",
@@ -71,16 +79,23 @@ UNROLLED_KEY = "unrolled_loop"
 
 @dataclass
 class LengthGeneric:
-    """The graph the length-generic passes left, at the length it was captured at.
+    """The graph the length-generic passes left, at the length (and batch) it was captured at.
 
-    ``verified``: None until the cross-check against a real capture ran, then its verdict
-    (shared by every entry served from this graph)."""
+    ``batch``/``batch_inputs``: the captured batch size and the inputs' batch dims, when the
+    graph can serve other batch sizes too (None / empty: a new batch size is a new capture).
+    ``verified``: the cross-check's verdict against a real capture, per kind of change (a new
+    length, a new batch, both), shared by every entry served from this graph."""
 
     graph: fx.GraphModule
     facts: dict[str, tuple[Any, ...]]
     seq_len: int
     time_inputs: dict[str, int]  # placeholder name -> time dim
-    verified: Optional[bool] = None
+    batch: Optional[int] = None
+    batch_inputs: dict[str, int] = dataclasses.field(default_factory=dict)  # placeholder name -> batch dim
+    verified: dict[tuple[bool, bool], bool] = dataclasses.field(default_factory=dict)
+
+    def sizes(self) -> tuple[int, Optional[int]]:
+        return self.seq_len, self.batch
 
 
 @dataclass(frozen=True)
@@ -113,14 +128,32 @@ def record_length_generic(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                                     len(loops))
         return PassResult(gm, notes=(f"the graph holds {len(loops)} per-step loop(s) unrolled {T} times: not "
                                      "kept for other lengths",))
-    facts = time_facts(gm, tl, T)
+    B, batch_inputs = _input_batch_dims(inputs, tl, T)
+    facts = time_facts(gm, tl, T, batch_inputs)
     for ph in gm.graph.find_nodes(op="placeholder"):
         if ph not in inputs and ph.name in facts:  # parameters, buffers (a RoPE table): same at any length
             facts[ph.name] = (None,) * len(facts[ph.name])
     kept = fx.GraphModule(gm, copy_graph(gm), gm.__class__.__name__)
-    ctx.plan_state[STATE_KEY] = LengthGeneric(kept, facts, T, {ph.name: d for ph, d in inputs.items()})
-    return PassResult(gm, notes=(f"kept the {len(kept.graph.nodes)}-node graph at T={T}: a call at "
-                                 "another length re-specialises it and plans again, without a new capture",))
+    ctx.plan_state[STATE_KEY] = LengthGeneric(kept, facts, T, {ph.name: d for ph, d in inputs.items()}, B, batch_inputs)
+    also = (f" or another batch size (captured at {B})" if B is not None else
+            " (a new batch size is captured again: the inputs have no batch dim of two or more rows apart from time)")
+    return PassResult(gm, notes=(f"kept the {len(kept.graph.nodes)}-node graph at T={T}: a call at another length"
+                                 f"{also} re-specialises it and plans again, without a new capture",))
+
+
+def _input_batch_dims(inputs: dict[fx.Node, int], tl: Any, T: int) -> tuple[Optional[int], dict[str, int]]:
+    """The batch size and the batch dim (dim 0) of each time-carrying input, when every one of
+    them has the same size ``B`` >= 2 there, ``B`` is not ``T``, and that dim is not on the time
+    axis; else ``(None, {})``. A batch of one cannot be told from a broadcast dim, and a size
+    equal to ``T`` from the time axis, so such a graph serves its own batch size only."""
+    sizes = {int(shape_of(ph)[0]) for ph, d in inputs.items() if d != 0 and len(shape_of(ph)) > 1}
+    if len(sizes) != 1 or any(d == 0 for d in inputs.values()):
+        return None, {}
+    B = sizes.pop()
+    batch = {ph.name: 0 for ph in inputs}
+    if B < 2 or B == T or any(tl.dims.canon(tl.dims.input_labels[name][0]) == tl.time_class for name in batch):
+        return None, {}
+    return B, batch
 
 
 def _input_time_dims(gm: fx.GraphModule, tl: Any) -> dict[fx.Node, int]:
@@ -138,36 +171,52 @@ def _input_time_dims(gm: fx.GraphModule, tl: Any) -> dict[fx.Node, int]:
 # --------------------------------------------------------------------------- serving
 
 
-def _new_length(entry: Any, lg: LengthGeneric | UnrolledLoop, args: tuple, kwargs: dict) -> Optional[int]:
-    """The call's length if its inputs differ from ``entry``'s only along their time dims, and
-    it is another length of two or more steps (a shorter call is captured: plain autograd)."""
+Sizes = tuple[int, Optional[int]]  # (T, B): B is None for a graph that serves its own batch only
+
+
+def _new_sizes(entry: Any, lg: LengthGeneric | UnrolledLoop, args: tuple, kwargs: dict) -> Optional[Sizes]:
+    """The call's ``(T, B)`` if its inputs differ from ``entry``'s only along their time dims
+    (and, for a graph that serves other batch sizes, their batch dims), and it is another length
+    of two or more steps or another batch (a shorter call is captured: plain autograd)."""
     cap = entry.captured
     if cap is None:
         return None
-    graph = lg.graph.graph if isinstance(lg, LengthGeneric) else lg.graph
-    T_new = call_length(cap, graph, lg.time_inputs, args, kwargs)
-    if T_new is None or T_new == lg.seq_len or T_new < 2:
+    if isinstance(lg, LengthGeneric):
+        graph, batch_inputs, old = lg.graph.graph, lg.batch_inputs, lg.sizes()
+    else:
+        graph, batch_inputs, old = lg.graph, {}, (lg.seq_len, None)
+    sizes = call_sizes(cap, graph, lg.time_inputs, batch_inputs, args, kwargs)
+    if sizes is None or sizes == old or sizes[0] < 2:
         return None
-    return T_new
+    return sizes
 
 
 def entries_at_new_length(cm: Any, args: tuple, kwargs: dict, key: str,
-                          kind: type) -> Iterator[tuple[Any, Any, int]]:
-    """``(entry, record, T_new)`` for each entry compiled in the modules' current state whose
-    ``plan_state[key]`` record (a ``kind``) has inputs that differ from this call's only in their
-    time length ``T_new``, newest first."""
+                          kind: type) -> Iterator[tuple[Any, Any, Sizes]]:
+    """``(entry, record, (T_new, B_new))`` for each entry compiled in the modules' current state
+    whose ``plan_state[key]`` record (a ``kind``) has inputs that differ from this call's only in
+    their time length (and batch size, where the record serves other batches), newest first."""
     for entry in cm.specializations_like(args, kwargs):
         record = entry.ctx.plan_state.get(key) if entry.ctx is not None else None
         if not isinstance(record, kind) or "short_sequence" in entry.extras:
             continue
-        T_new = _new_length(entry, record, args, kwargs)
-        if T_new is not None:
-            yield entry, record, T_new
+        sizes = _new_sizes(entry, record, args, kwargs)
+        if sizes is not None:
+            yield entry, record, sizes
 
 
-def _cut(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, length: int) -> tuple[tuple, dict]:
-    """The call's inputs cut to their first ``length`` steps along their time dims."""
-    return cut_call(entry.captured, lg.graph.graph, lg.time_inputs, args, kwargs, length)
+def _cut(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes) -> tuple[tuple, dict]:
+    """The call's inputs cut to their first ``T`` steps along their time dims (and first ``B``
+    rows along their batch dims)."""
+    T, B = sizes
+    return cut_call(entry.captured, lg.graph.graph, lg.time_inputs, args, kwargs, T, lg.batch_inputs, B)
+
+
+def _respecialize(lg: LengthGeneric, sizes: Sizes) -> fx.GraphModule:
+    """The kept graph re-specialised to ``sizes`` (verified on fake tensors)."""
+    T, B = sizes
+    batch = (lg.batch, B) if lg.batch is not None and B is not None else (1, 1)
+    return respecialize(lg.graph, lg.facts, lg.seq_len, T, strict_scalars=True, batch=batch)
 
 
 def _generic_passes(plan: str) -> list[Any]:
@@ -188,17 +237,22 @@ def _planning_passes(plan: str) -> list[Any]:
     return [annotate_time_locality, *passes[names.index(record_length_generic.name) + 1:]]
 
 
-def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, T_new: int) -> bool:
-    """The kept graph re-specialised to the probe length plus one (or, for a shorter call, to the
-    call's length) against a real capture there, run through the same length-generic passes:
-    forward values must agree."""
+def _probe_sizes(lg: LengthGeneric, sizes: Sizes) -> Sizes:
+    """Where the cross-check runs: per size that changes, one step (row) more than the kept
+    graph's, or the call's own when it is smaller (the call's inputs must hold the probe)."""
+    def probe(old: Optional[int], new: Optional[int]) -> Optional[int]:
+        return old if new == old or new is None or old is None else (old + 1 if new > old else new)
+
+    T, B = probe(lg.seq_len, sizes[0]), probe(lg.batch, sizes[1])
+    return int(T), B
+
+
+def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes) -> bool:
+    """The kept graph re-specialised to :func:`_probe_sizes` against a real capture there, run
+    through the same length-generic passes: forward values must agree."""
     from gradshard.capture import capture
 
-    # one step longer than the kept graph, or the call's own (shorter) length: the inputs must
-    # hold ``probe`` steps
-    probe = lg.seq_len + 1 if T_new > lg.seq_len else T_new
-    if probe < 2:
-        return False
+    probe = _probe_sizes(lg, sizes)
     p_args, p_kwargs = _cut(entry, lg, args, kwargs, probe)
     try:
         with torch.random.fork_rng():
@@ -207,7 +261,7 @@ def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: di
             ctx = PassContext(plan=entry.plan, options=entry.options, example_inputs=flat, captured=cap,
                               time_axis=cm.time_axis, backend=cm.backend)
             real, _ = run_passes(cap.gm, _generic_passes(entry.plan), ctx)
-            mine = respecialize(lg.graph, lg.facts, lg.seq_len, probe, strict_scalars=True)
+            mine = _respecialize(lg, probe)
             with torch.no_grad():
                 torch.manual_seed(0)
                 want = real(*flat)
@@ -219,9 +273,13 @@ def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: di
                 return True
             return _same_values(want, got)
     except Exception as exc:  # noqa: BLE001 - any failure means: capture at the call's length
-        log.info("gradshard: the length-generic cross-check at T=%d failed (%s); capturing again", probe,
+        log.info("gradshard: the length-generic cross-check at %s failed (%s); capturing again", _describe(probe),
                  str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return False
+
+
+def _describe(sizes: Sizes) -> str:
+    return f"T={sizes[0]}" + (f", batch {sizes[1]}" if sizes[1] is not None else "")
 
 
 def _same_values(want: Sequence[Any], got: Sequence[Any]) -> bool:
@@ -244,48 +302,55 @@ def _same_values(want: Sequence[Any], got: Sequence[Any]) -> bool:
     return True
 
 
-def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, T_new: int) -> Any:
-    """The kept graph re-specialised to ``T_new``, planned and rewritten at that length."""
+def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes) -> Any:
+    """The kept graph re-specialised to ``sizes``, planned and rewritten there."""
     t0 = time.perf_counter()
-    gm = respecialize(lg.graph, lg.facts, lg.seq_len, T_new, strict_scalars=True)
+    gm = _respecialize(lg, sizes)
     seconds = time.perf_counter() - t0
     cap = entry.captured
     flat = [*cap.state(), *cap.flat_inputs(args, kwargs)]
     ctx = PassContext(plan=entry.plan, options=entry.options, example_inputs=flat, captured=cap,
                       time_axis=cm.time_axis, backend=cm.backend)
     ctx.plan_state[STATE_KEY] = lg
+    T_new, B_new = sizes
+    notes = [f"T: {lg.seq_len} -> {T_new}"] + ([f"batch: {lg.batch} -> {B_new}"] if B_new != lg.batch else [])
     record = PassRecord(
         name="respecialize_length",
-        doc=f"re-specialise the graph the length-generic passes left at T={lg.seq_len} to T={T_new} (length-"
-            "dependent integers rewritten, every shape verified on fake tensors; no new capture)",
+        doc=f"re-specialise the graph the length-generic passes left at {_describe(lg.sizes())} to "
+            f"{_describe(sizes)} (length- and batch-dependent integers rewritten, every shape verified on "
+            "fake tensors; no new capture)",
         changed=True, before=lg.graph.code, after=gm.code, created=(), erased=(),
-        notes=(f"T: {lg.seq_len} -> {T_new}",), regions=(), seconds=seconds)
+        notes=tuple(notes), regions=(), seconds=seconds)
     out, records = run_passes(gm, _planning_passes(entry.plan), ctx)
     names = [r.name for r in entry.records]
     generic = entry.records[: names.index(record_length_generic.name) + 1]  # capture-time passes, kept
+    extras = {"respecialized_from": lg.seq_len, "seq_len": T_new}
+    if B_new != lg.batch:
+        extras.update(batch=B_new, batch_from=lg.batch)
     # ``program`` is the probe's until CompiledModule schedules the served graph (api sits above plans)
-    return dataclasses.replace(
-        entry, gm=out, regions=tuple(ctx.regions),
-        records=(*generic, record, *records), ctx=ctx,
-        extras={"respecialized_from": lg.seq_len, "seq_len": T_new})
+    return dataclasses.replace(entry, gm=out, regions=tuple(ctx.regions), records=(*generic, record, *records),
+                               ctx=ctx, extras=extras)
 
 
 def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """Specialiser (``CompiledModule.register_specializer``): an entry for inputs that differ
-    from a cached entry of a length-generic plan only in their time length, or None to capture as usual."""
-    for entry, lg, T_new in entries_at_new_length(cm, args, kwargs, STATE_KEY, LengthGeneric):
-        if lg.verified is None:
-            lg.verified = _cross_check(cm, entry, lg, args, kwargs, T_new)
-        if not lg.verified:
-            return None
+    from a cached entry of a length-generic plan only in their time length (or batch size), or
+    None to capture as usual."""
+    for entry, lg, sizes in entries_at_new_length(cm, args, kwargs, STATE_KEY, LengthGeneric):
+        change = (sizes[0] != lg.seq_len, sizes[1] != lg.batch)
+        if change not in lg.verified:
+            lg.verified[change] = _cross_check(cm, entry, lg, args, kwargs, sizes)
+        if not lg.verified[change]:
+            continue  # another entry (a probe compiled at this batch) may serve it
         try:
             with torch.random.fork_rng():  # compiling must not consume the user's random stream
-                served = _served_entry(cm, entry, lg, args, kwargs, T_new)
+                served = _served_entry(cm, entry, lg, args, kwargs, sizes)
         except (RespecializeError, GradshardError) as exc:
             # a refusal at the new length is reported by the capture at that length, if it stands
-            log.info("gradshard: cannot serve T=%d from T=%d (%s); capturing again", T_new, lg.seq_len,
-                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            return None
-        log.info("gradshard: serving T=%d from the graph captured at T=%d (no new capture)", T_new, lg.seq_len)
+            log.info("gradshard: cannot serve %s from %s (%s)", _describe(sizes),
+                     _describe(lg.sizes()), str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            continue
+        log.info("gradshard: serving %s from the graph captured at %s (no new capture)", _describe(sizes),
+                 _describe(lg.sizes()))
         return served
     return None

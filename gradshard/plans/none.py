@@ -50,7 +50,7 @@ def serve_or_run_eagerly(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     served = serve_new_length(cm, args, kwargs)
     if served is not None:
         return served
-    for entry, unrolled, T_new in entries_at_new_length(cm, args, kwargs, UNROLLED_KEY, UnrolledLoop):
+    for entry, unrolled, (T_new, _) in entries_at_new_length(cm, args, kwargs, UNROLLED_KEY, UnrolledLoop):
         reason = (f"running the module eagerly at T={T_new} (plain autograd, what this plan computes): its "
                   f"graph holds {unrolled.loops} per-step Python loop(s), unrolled {unrolled.seq_len} times at "
                   f"T={unrolled.seq_len}; capturing at T={T_new} would unroll {T_new} steps, at a cost in time "

@@ -166,3 +166,52 @@ def test_a_shorter_call_after_a_longer_one_is_served_exactly(captured_lengths: l
         x = ids[:, :T] if T <= 48 else torch.cat([ids, ids[:, : T - 48]], 1)
         _check_exact(cm, model, (x,))
     assert captured_lengths == [48, 37]  # the first compile, the one cross-check; 37 and 53 served
+
+
+@pytest.fixture
+def captured_sizes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(batch, time length) of the first input of rank >= 2 of every capture."""
+    seen: list[tuple[int, int]] = []
+    real = capture_pkg.capture
+
+    def counting(target, args, kwargs=None, **kw):
+        leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                  if isinstance(x, torch.Tensor) and x.dim() >= 2]
+        seen.append(tuple(int(s) for s in leaves[0].shape[:2]))
+        return real(target, args, kwargs, **kw)
+
+    monkeypatch.setattr(api, "capture", counting)
+    monkeypatch.setattr(capture_pkg, "capture", counting)
+    return seen
+
+
+@pytest.mark.parametrize("plan", ["seco", "none"])
+def test_another_batch_size_is_served_from_the_probe(plan: str, captured_sizes: list[tuple[int, int]]) -> None:
+    """A graph captured at batch 3 serves batches 5 and 2 (and new lengths with them): the
+    batch dims are re-specialised like the time dims, checked once per kind of change against
+    a real capture one row (and step) larger. Exact against eager at every call."""
+    torch.manual_seed(0)
+    model, (ids,) = llama(seq_len=LONG, batch=5, dtype=torch.float64)
+    cm = gs.compile(model, plan=plan, **({"chunk_size": 16} if plan == "seco" else {}))
+    for B, T in [(3, LONG), (5, LONG), (2, 100), (5, PROBE_LENGTH)]:
+        _check_exact(cm, model, (ids[:B, :T],))
+        _served_from_probe(cm)
+        assert cm.current.extras.get("batch", 3) == B
+    # the probe; the length check; the length-and-batch check (its verdict also serves (2, 100));
+    # the batch-only check at the probe length
+    assert captured_sizes == [(3, PROBE_LENGTH), (3, PROBE_LENGTH + 1), (4, PROBE_LENGTH + 1), (4, PROBE_LENGTH)]
+    assert f"serving T={PROBE_LENGTH}, batch 5: the program compiled at T={PROBE_LENGTH}, batch 3" in cm.explain()
+
+
+def test_a_batch_of_one_is_a_guard(captured_sizes: list[tuple[int, int]]) -> None:
+    """A batch of one cannot be told from a broadcast dim: a graph captured there serves other
+    lengths at batch 1 only, and a new batch compiles a new probe."""
+    torch.manual_seed(0)
+    model, (ids,) = llama(seq_len=LONG, batch=2, dtype=torch.float64)
+    cm = gs.compile(model, plan="seco", chunk_size=16)
+    _check_exact(cm, model, (ids[:1],))
+    lg = cm.current.ctx.plan_state["length_generic"]
+    assert lg.batch is None and lg.batch_inputs == {}
+    _check_exact(cm, model, (ids,))
+    _served_from_probe(cm)
+    assert captured_sizes == [(1, PROBE_LENGTH), (1, PROBE_LENGTH + 1), (2, PROBE_LENGTH), (2, PROBE_LENGTH + 1)]

@@ -220,3 +220,40 @@ def test_batch_and_time_stay_apart_through_merged_rows_bmm_and_matvec():
     b_cls, t_cls = ({da.canon(l) for l in ls} for ls in da.dims_of(x).dims[:2])
     assert b_cls.isdisjoint(t_cls)
     assert list(tl.time_inputs.values()) == [1] and tl.seq_len == 11
+
+
+class PaddedCausalSDPA(torch.nn.Module):
+    """Attention masked the way transformers builds a padded causal mask: ``causal & pad`` with
+    the padding term read from the attention-mask input by ``mask[arange(B), arange(S)]``
+    (``combine="or"``: a mask that keeps the union, which is not causal)."""
+
+    def __init__(self, d: int = 8, combine: str = "and") -> None:
+        super().__init__()
+        self.qkv, self.combine = torch.nn.Linear(d, 3 * d), combine
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 1, d).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(T)
+        causal = (pos[None, :] <= pos[:, None])[None, None]  # (1, 1, T, T)
+        pad = attention_mask.bool()[torch.arange(B)[:, None, None, None], pos[None, None, None, :]]
+        mask = causal & pad if self.combine == "and" else causal | pad
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, -1, T, T))
+
+
+@pytest.mark.parametrize("combine, causal", [("and", True), ("or", False)])
+def test_a_padding_mask_input_carries_batch_and_time_and_its_conjunction_with_a_causal_mask_is_causal(
+        combine: str, causal: bool) -> None:
+    """The attention-mask input is read by ``arange`` indices over its whole dims: it carries the
+    batch along dim 0 and time along dim 1 (so a call at another length or batch can be served
+    from the same graph). ``causal & pad`` keeps at most what the causal mask keeps; ``causal | pad``
+    does not."""
+    x, mask = torch.randn(3, 7, 8), torch.ones(3, 7)
+    cap = capture(PaddedCausalSDPA(combine=combine), (x, mask))
+    tl = analyze_time_locality(cap.gm, example_inputs=cap.example_inputs)
+    phs = [p for p in cap.gm.graph.find_nodes(op="placeholder") if str(p.meta.get("gs_input_name")).startswith("input")]
+    assert [tl.time_inputs.get(p.name) for p in phs] == [1, 1]
+    batch = {tl.dims.canon(tl.dims.input_labels[p.name][0]) for p in phs}
+    assert len(batch) == 1 and tl.time_class not in batch
+    out = tl[_out(cap)]
+    assert (out.reach.hi <= 0) == causal and (out.local.hi <= 0) == causal, out

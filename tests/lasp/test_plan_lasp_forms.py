@@ -8,6 +8,7 @@ All on threaded gloo ranks vs one process, float64 (rel err <= 1e-10).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lasp_testing import compare_lasp
 from lasp_models import tiny_lm
@@ -38,3 +39,23 @@ def test_forms_match_single_process(impl: str, decay: str, world: int, batch: in
     if kw.get("conv_kernel"):
         names = [s.name for s in cm.program.stages]
         assert any(n.startswith("lasp_halo_") for n in names)
+
+
+def test_a_product_with_a_zero_state_is_dropped_with_its_inputs() -> None:
+    """A block loop's first block adds ``(q ⊙ exp(cumsum(c))) @ zeros``: the add is folded to its
+    other operand, so dead-code elimination removes the cumsum the positional check would refuse."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gradshard.plans.lasp.locality import drop_zero_terms
+
+    def f(o: torch.Tensor, q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        kv = q.new_zeros(q.shape[-1], 3)
+        return o + (q * torch.exp(torch.cumsum(c, 0))) @ kv
+
+    gm = make_fx(f)(torch.randn(5, 3), torch.randn(5, 2), torch.randn(5, 2))
+    assert drop_zero_terms(gm.graph) == ["add"]
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert not any(n.target is torch.ops.aten.cumsum.default for n in gm.graph.nodes)
+    o = torch.randn(5, 3)
+    assert torch.equal(gm(o, torch.randn(5, 2), torch.randn(5, 2)), o)

@@ -36,7 +36,8 @@ from gradshard.passes.linear_attention_graph import CONST, Component
 
 aten = torch.ops.aten
 
-__all__ = ["ReductionEdit", "plan_reductions", "explain_component", "offset_positions", "check_constants"]
+__all__ = ["ReductionEdit", "plan_reductions", "explain_component", "offset_positions", "check_constants",
+           "drop_zero_terms"]
 
 _SUM_OPS = {aten.sum.dim_IntList, aten.sum.default}
 _MEAN_OPS = {aten.mean.dim, aten.mean.default}
@@ -258,6 +259,44 @@ def offset_positions(graph: fx.Graph, tl: TimeLocality, start: int) -> list[str]
                 n.args = (n.args[0] + start * step, n.args[1] + start * step, *n.args[3:])
         done.append(n.name)
     return done
+
+
+_ZERO_FACTORIES = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+_ZERO_IF_ANY = {aten.mul.Tensor, aten.matmul.default, aten.bmm.default, aten.mm.default}
+_ZERO_IF_FIRST = {aten.expand.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                  aten.unsqueeze.default, aten.transpose.int, aten.permute.default, aten.t.default,
+                  aten.alias.default, aten.clone.default}
+
+
+def drop_zero_terms(graph: fx.Graph) -> list[str]:
+    """Replace ``a + z`` by ``a`` where ``z`` is a product with a zero tensor (in place); returns
+    the adds dropped.
+
+    A block-wise loop's first block adds ``(q ⊙ exp(cumsum(log λ))) @ kv_0`` with ``kv_0 =
+    new_zeros(...)``: a zero the region does not own, whose positions restart on every rank.
+    Once dropped, the dead term (and its cumsum of a constant) goes with dead-code elimination
+    instead of failing :func:`check_constants`. (``inf * 0`` would have been NaN: the fold
+    only ever removes a NaN, never creates one.)"""
+    zero: set[fx.Node] = set()
+    dropped = []
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in _ZERO_FACTORIES:
+            zero.add(n)
+        elif n.target in _ZERO_IF_ANY and any(a in zero for a in n.args[:2]):
+            zero.add(n)
+        elif n.target in _ZERO_IF_FIRST and n.args and n.args[0] in zero:
+            zero.add(n)
+        elif n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs:
+            for keep, z in (n.args, n.args[::-1]):
+                val, kept = n.meta.get("val"), getattr(keep, "meta", {}).get("val")
+                if (z in zero and isinstance(kept, torch.Tensor) and isinstance(val, torch.Tensor)
+                        and kept.shape == val.shape and kept.dtype == val.dtype):
+                    n.replace_all_uses_with(keep)
+                    dropped.append(n.name)
+                    break
+    return dropped
 
 
 def check_constants(graph: fx.Graph, tl: TimeLocality, classes: dict[str, str]) -> None:

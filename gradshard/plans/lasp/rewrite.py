@@ -39,6 +39,7 @@ from gradshard.plans.lasp.halo import HaloRoot, apply_halo, plan_halo
 from gradshard.plans.lasp.locality import (
     ReductionEdit,
     check_constants,
+    drop_zero_terms,
     explain_component,
     offset_positions,
     plan_reductions,
@@ -154,6 +155,10 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         notes.append(_apply_reduction(new_gm, nodes, edit, group, tl.seq_len))
     for halo_id, root in enumerate(halos):
         notes.append(apply_halo(new_gm, nodes, root, halo_id, group))
+    # before DCE: a dropped zero term takes its cumsum of a constant with it
+    dropped = drop_zero_terms(new_graph)
+    if dropped:
+        notes.append(f"zero terms dropped: {', '.join(dropped)}")
     new_graph.eliminate_dead_code()
     shifted = offset_positions(new_graph, tl, group.start)
     if shifted:
