@@ -105,13 +105,17 @@ def test_family_is_exact(family: str, attn: str, plan: str) -> None:
     assert _run_cell(family, attn, plan) <= _tolerance(family, attn)
 
 
-@pytest.mark.parametrize("plan", ["none", "seco"])
-def test_left_and_right_padded_batch_is_exact(plan: str) -> None:
-    ids = inputs(build("llama")[1], batch=2, T=T)["input_ids"]
+@pytest.mark.parametrize("family, plan", [("llama", "none"), ("llama", "seco"), ("bamba", "seco"),
+                                          ("lfm2", "seco"), ("gpt2", "spaco")])
+def test_left_and_right_padded_batch_is_exact(family: str, plan: str) -> None:
+    """The padding mask is an input with batch and time axes: its broadcasts and its conjunction
+    with the causal mask keep both, so seco's chunks see only their own and earlier keys (a
+    hybrid's SSM layers zero padded steps with the same mask). Float32 islands in float64."""
+    ids = inputs(build(family)[1], batch=2, T=T)["input_ids"]
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding
     mask[1, -4:] = 0  # right padding
-    assert _run_cell("llama", "sdpa", plan, attention_mask=mask) <= 1e-10
+    assert _run_cell(family, "sdpa", plan, float64=True, attention_mask=mask) <= 1e-10
 
 
 def test_hf_call_convention_returns_the_models_output_with_loss() -> None:
