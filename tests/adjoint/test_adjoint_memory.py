@@ -252,3 +252,53 @@ def test_dense_associative_scan_with_a_learned_h0_saves_what_the_loop_saves():
         return _saved_bytes(model, gs.compile(model, plan="adjoint", shard_size=8), ids)
 
     assert saved(SelectiveSSMLM) == saved(LoopSSMLM)
+
+
+class _WithLoss(nn.Module):
+    """The LM with its loss inside (as ``transformers`` computes it with ``labels=``)."""
+
+    def __init__(self, lm: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.lm, self.kind = lm, kind
+        self.register_buffer("class_weight", torch.linspace(0.5, 2.0, CFG["vocab_size"], dtype=torch.float64))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(ids)
+        flat, target = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        if self.kind == "cross_entropy":
+            return F.cross_entropy(flat, target)  # mean over the targets that are not ignored
+        if self.kind == "weighted":
+            return F.cross_entropy(flat, target, weight=self.class_weight, reduction="mean")
+        if self.kind == "summed":
+            return F.cross_entropy(flat, target, reduction="sum") / 7.0
+        return (logits**2).mean()
+
+
+@pytest.mark.parametrize("plan,opts", [("adjoint", {"shard_size": 5}),
+                                       ("truncated_adjoint", {"window": 64, "shard_size": 5})])
+@pytest.mark.parametrize("kind", ["cross_entropy", "weighted", "summed", "mean"])
+def test_a_loss_inside_the_model_is_reduced_shard_by_shard(plan, opts, kind):
+    """The tail ends in the loss: the logits are never kept (saved = layer inputs, tail input and
+    checkpoints, as without the loss), and the loss and every gradient match autograd.
+
+    Batch 1: with batch > 1 the ``(B, T, V) -> (B*T, V)`` merge before the loss is not yet taken
+    into the tail (the loss then stays under autograd, exact, keeping the logits)."""
+    batch, T = 1, 23
+    model = _WithLoss(_lm(2), kind)
+    ids = torch.randint(0, CFG["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, 1)
+    labels[0, 3:9] = -100  # ignored targets: the mean divides by the others only
+    cm = assert_same_grads(model, (ids, labels), plan=plan, **opts)
+    (tail,) = _regions(cm, "local_recompute")
+    assert any("cross_entropy" in n or "mean" in n for n in tail.nodes), tail.nodes
+
+    def step(ids: torch.Tensor) -> None:
+        model.zero_grad(set_to_none=True)
+        cm(ids, labels).backward()
+
+    step(ids)
+    saved = gs.measure(step, ids).saved_bytes
+    n_ckpt = -(-T // opts["shard_size"]) - 1
+    P, N = CFG["d_model"], CFG["d_state"]
+    want = 2 * batch * T * P * 8 + 2 * n_ckpt * batch * N * P * 8
+    assert saved <= want + 1024, (saved, want)  # + the loss's scalars

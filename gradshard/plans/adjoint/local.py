@@ -17,7 +17,11 @@ in time, so the backward can recompute it one shard at a time from its inputs.
   rows and accumulate the parameter gradients. Exact: the same ops on the same rows.
 
 Every time-carrying input and output has one time dim of full length (the segment has no
-halo: each op reads step ``t`` only).
+halo: each op reads step ``t`` only). An output may instead be a reduction over time (the
+loss; its time dim is ``None``): the graph returns its per-shard numerator and, appended to
+the outputs, its denominator (:mod:`gradshard.plans.adjoint.reductions`); the forward sums
+both over shards and divides once, the backward hands each shard's numerator the output
+gradient over the total denominator. Exact up to the order of the sum.
 """
 
 from __future__ import annotations
@@ -43,20 +47,29 @@ def _as_list(out: Any) -> list[Any]:
 class LocalSegment(nn.Module):
     """A time-local subgraph run in shards; backward recomputes it shard by shard.
 
-    ``graph``: the subgraph (placeholders = inputs, output = tuple of outputs);
-    ``input_time_dims`` / ``output_time_dims``: the time dim of each (``None``: no time dim,
-    inputs only); ``facts``: time facts by node name, to re-specialise ``graph`` to a shard.
+    ``graph``: the subgraph (placeholders = inputs, output = tuple of outputs, then the
+    denominators); ``input_time_dims`` / ``output_time_dims``: the time dim of each (``None``:
+    an input without time, or an output reduced over time); ``divisors``: per reduced output
+    in order, the position of its denominator among the graph's outputs (``None``: a sum);
+    ``facts``: time facts by node name, to re-specialise ``graph`` to a shard.
     """
 
     def __init__(self, name: str, graph: fx.GraphModule, facts: Mapping[str, tuple[Optional[DimFact], ...]],
-                 input_time_dims: Sequence[Optional[int]], output_time_dims: Sequence[int], *, captured_len: int,
-                 shard_size: int, describe: str = "", costs: Optional[Mapping[str, int]] = None) -> None:
+                 input_time_dims: Sequence[Optional[int]], output_time_dims: Sequence[Optional[int]], *,
+                 captured_len: int, shard_size: int, describe: str = "", costs: Optional[Mapping[str, int]] = None,
+                 divisors: Sequence[Optional[int]] = ()) -> None:
         super().__init__()
         self.region_name = name
         self.graph_module = graph
         self.facts = dict(facts)
         self.input_time_dims = tuple(input_time_dims)
         self.output_time_dims = tuple(output_time_dims)
+        reduced = [i for i, d in enumerate(self.output_time_dims) if d is None]
+        if len(reduced) != len(divisors):
+            raise ValueError(f"{name}: {len(reduced)} reduced output(s) but {len(divisors)} divisor(s)")
+        self.divisors = tuple(divisors)
+        #: reduced output position -> position of its denominator among the graph's outputs
+        self.denominator_of = dict(zip(reduced, self.divisors))
         self.captured_len = int(captured_len)
         self.shard_size = int(shard_size)
         self.describe = describe
@@ -121,6 +134,15 @@ class LocalSegment(nn.Module):
         return f"{self.region_name}: {self.describe}, shard_size={self.shard_size}"
 
 
+def _shard_grad(ctx: Any, i: int, g: Tensor, td: Optional[int], s: int, e: int) -> Tensor:
+    """The gradient reaching output ``i`` of shard ``[s, e)``: its rows, or for a reduction over
+    time the whole gradient (over the total denominator: ``den`` carries no gradient)."""
+    if td is not None:
+        return g.narrow(td, s, e - s)
+    den = ctx.dens.get(i)
+    return g if den is None else g / den
+
+
 class LocalSegmentFunction(torch.autograd.Function):
     """Sharded forward saving the inputs; backward recomputes each shard and applies its VJP."""
 
@@ -128,17 +150,27 @@ class LocalSegmentFunction(torch.autograd.Function):
     def forward(ctx: Any, seg: LocalSegment, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         T = seg.seq_len(inputs)
         outputs: list[Optional[Tensor]] = [None] * len(seg.output_time_dims)
+        dens: dict[int, Tensor] = {}
         with torch.no_grad():
             for s, e in seg.shards(T):
                 ys = _as_list(seg.runner(e - s)(*seg.window(inputs, s, e)))
                 for i, (y, td) in enumerate(zip(ys, seg.output_time_dims)):
+                    if td is None:  # a reduction over time: numerator (and denominator) summed
+                        outputs[i] = y if outputs[i] is None else outputs[i] + y
+                        k = seg.denominator_of[i]
+                        if k is not None:
+                            dens[i] = ys[k] if i not in dens else dens[i] + ys[k]
+                        continue
                     if outputs[i] is None:
                         shape = list(y.shape)
                         shape[td] = T
                         outputs[i] = y.new_empty(shape)
                     outputs[i].narrow(td, s, e - s).copy_(y)
+        for i, den in dens.items():
+            outputs[i] = outputs[i] / den
         ctx.seg = seg
         ctx.T = T
+        ctx.dens = dens
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs)
         return tuple(outputs)  # type: ignore[arg-type]
@@ -165,7 +197,7 @@ class LocalSegmentFunction(torch.autograd.Function):
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             with torch.enable_grad():
                 ys = _as_list(seg.runner(e - s)(*leaves))
-            pairs = [(y, g.narrow(td, s, e - s)) for y, g, td in zip(ys, grads, seg.output_time_dims)
+            pairs = [(y, _shard_grad(ctx, i, g, td, s, e)) for i, (y, g, td) in enumerate(zip(ys, grads, seg.output_time_dims))
                      if g is not None and isinstance(y, Tensor) and y.requires_grad]
             targets = [i for i, t in enumerate(leaves) if needs[i] and isinstance(t, Tensor) and t.requires_grad]
             if not pairs or not targets:

@@ -50,6 +50,7 @@ from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
+from gradshard.plans.adjoint.reductions import split_time_reductions
 from gradshard.plans.adjoint.respecialize import RespecializeError, respecialize, time_facts
 
 from gradshard.passes.detect_recurrence import find_scan_sites
@@ -175,11 +176,14 @@ def build_tail_module(gm: fx.GraphModule, tail: TailPlan, facts: dict, name: str
                       shard_size: int) -> LocalSegment:
     """The :class:`LocalSegment` running ``tail`` (graph cut from ``gm``)."""
     graph = _subgraph(gm, tail.inputs, tail.nodes, tail.outputs, f"{name}_graph")
+    divisors = split_time_reductions(graph, [i for i, d in enumerate(tail.output_time_dims) if d is None])
     costs = [node_cost(n) for n in tail.nodes]
+    reduced = [y.name for y, d in zip(tail.outputs, tail.output_time_dims) if d is None]
     desc = (f"time-local tail of {len(tail.nodes)} nodes ({', '.join(n.name for n in tail.nodes[:4])}"
-            f"{', ...' if len(tail.nodes) > 4 else ''}); keeps {tail.kept:,} B instead of {tail.autograd_saved:,} B")
+            f"{', ...' if len(tail.nodes) > 4 else ''}); keeps {tail.kept:,} B instead of {tail.autograd_saved:,} B"
+            + (f"; reduces {', '.join(reduced)} over time shard by shard" if reduced else ""))
     return LocalSegment(name, graph, facts, tail.input_time_dims, tail.output_time_dims, captured_len=T,
-                        shard_size=shard_size, describe=desc,
+                        shard_size=shard_size, describe=desc, divisors=divisors,
                         costs={"saved_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved,
                                "fwd_flops": sum(c.fwd_flops for c in costs), "bwd_flops": sum(c.bwd_flops for c in costs),
                                "work_bytes": sum(c.out_bytes for c in costs)})
@@ -342,7 +346,7 @@ def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dic
     for tail, seg in zip(tails, mods):
         small = max(1, -(-T // 3))
         probe = LocalSegment(seg.region_name, seg.graph_module, seg.facts, seg.input_time_dims, seg.output_time_dims,
-                             captured_len=seg.captured_len, shard_size=small)
+                             captured_len=seg.captured_len, shard_size=small, divisors=seg.divisors)
         try:
             with torch.no_grad():
                 outs = probe(*[values[x.name] for x in tail.inputs])
@@ -432,7 +436,8 @@ def _install_tail(gm: fx.GraphModule, tail: TailPlan, seg: LocalSegment, facts: 
     _restore_topological_order(gm.graph)
     return Region(kind="local_recompute", name=name, nodes=tuple(n.name for n in tail.nodes),
                   inputs=tuple(x.name for x in inputs), outputs=tuple(y.name for y in tail.outputs),
-                  time_axis=tail.output_time_dims[0], source=source,
+                  time_axis=next(d for d in (*tail.output_time_dims, *tail.input_time_dims) if d is not None),
+                  source=source,
                   options={"form": "pointwise in time, recomputed in shards", "shard_size": seg.shard_size,
                            "kept_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved})
 

@@ -17,7 +17,9 @@ regions are installed:
    (``cat``/``slice``/``index``/...);
 2. convexity: each connected piece must not leave and re-enter itself (a piece runs as one
    call); the nodes past such an exit form a piece of their own;
-3. boundary: outputs and time-carrying inputs must have exactly one full-length time dim;
+3. boundary: outputs and time-carrying inputs must have exactly one full-length time dim, or
+   an output is a reduction over time of a candidate (a loss: ``sum``, ``mean``,
+   ``cross_entropy``; :mod:`gradshard.plans.adjoint.reductions`), read outside only;
 4. peeling: a node whose inputs all lie outside is moved out while that does not raise the
    bytes the segment must keep (so ``y + out`` stays outside when ``y`` is kept anyway);
 5. benefit: a connected piece is kept only if plain autograd would save more bytes for it
@@ -37,6 +39,8 @@ import torch
 import torch.fx as fx
 
 from gradshard.analysis.node_costs import tensor_bytes
+
+from gradshard.plans.adjoint.reductions import time_reduction
 
 aten = torch.ops.aten
 
@@ -59,7 +63,7 @@ class TailPlan:
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     input_time_dims: tuple[Optional[int], ...]
-    output_time_dims: tuple[int, ...]
+    output_time_dims: tuple[Optional[int], ...]  # None: a reduction over time (summed over shards)
     autograd_saved: int  # bytes plain autograd keeps for these nodes (not counting free values)
     kept: int  # bytes the segment keeps (its non-free inputs)
 
@@ -113,6 +117,31 @@ def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
     return all((tl.info[a.name].origin == 0) for a in ins)
 
 
+def _whole_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
+    """The node's time dim if it holds every step: full length, or merged with batch
+    (``(B, T, V) -> (B*T, V)``: a sum over that dim adds the same rows in another order)."""
+    d = full_time_dim(tl, facts, n)
+    if d is not None:
+        return d
+    info = tl.info.get(n.name)
+    if info is None or len(info.time_dims) != 1 or info.origin != 0:
+        return None
+    d = info.time_dims[0]
+    f = facts.get(n.name, ())
+    return d if d < len(f) and f[d] is not None and f[d].kind == "scale" else None
+
+
+def reduces_over_time(tl: Any, facts: dict, n: fx.Node) -> bool:
+    """Whether ``n`` reduces a full-length time-carrying value over time (a rule in
+    :data:`~gradshard.plans.adjoint.reductions.REDUCTIONS`) and every other time-carrying input
+    it reads (a loss's targets) has a full-length time dim too."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node) or _timed(tl, n):
+        return False
+    if not time_reduction(n, _whole_time_dim(tl, facts, n.args[0])):
+        return False
+    return all(_whole_time_dim(tl, facts, a) is not None for a in n.all_input_nodes if _timed(tl, a))
+
+
 def _convex(order: list[fx.Node], cand: set[fx.Node]) -> set[fx.Node]:
     """Drop candidates reachable from a candidate through a non-candidate (single topological sweep)."""
     keep: set[fx.Node] = set()
@@ -164,9 +193,9 @@ def _components(nodes: set[fx.Node]) -> list[set[fx.Node]]:
     return comps
 
 
-def _meta_like(v: torch.Tensor) -> torch.Tensor:
+def _meta_like(v: torch.Tensor, grad: bool = True) -> torch.Tensor:
     t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
-    return t.requires_grad_(True) if t.is_floating_point() else t
+    return t.requires_grad_(grad) if t.is_floating_point() else t
 
 
 def _replay_saved(nodes: list[fx.Node]) -> Optional[tuple[dict[int, int], dict[int, fx.Node]]]:
@@ -194,7 +223,9 @@ def _replay_saved(nodes: list[fx.Node]) -> Optional[tuple[dict[int, int], dict[i
     def arg(a: fx.Node) -> Any:
         if a not in env:
             v = _val(a)
-            env[a] = _meta_like(v) if v is not None else a.meta.get("val")
+            # a graph input keeps its own flag (a loss's class weights are a buffer: no gradient)
+            grad = a.op != "placeholder" or v is None or v.requires_grad
+            env[a] = _meta_like(v, grad) if v is not None else a.meta.get("val")
             own(a, env[a])
         return env[a]
 
@@ -249,7 +280,7 @@ def _convex_pieces(order: list[fx.Node], cand: set[fx.Node], tl: Any, facts: dic
                 pending += [keep, comp - keep]
                 continue
             inputs, outputs = _boundary(comp)
-            bad = {n for n in outputs if full_time_dim(tl, facts, n) is None}
+            bad = {n for n in outputs if full_time_dim(tl, facts, n) is None and not reduces_over_time(tl, facts, n)}
             for x in inputs:
                 if _timed(tl, x) and full_time_dim(tl, facts, x) is None:
                     bad |= {u for u in x.users if u in comp}
@@ -303,6 +334,9 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     order = list(gm.graph.nodes)
     barred = set().union(*regions, excluded)
     cand = {n for n in order if n not in barred and pointwise_in_time(tl, n)}
+    # a reduction over time ends a segment: no candidate may read its (whole-sequence) value
+    cand |= {n for n in order if n not in barred and reduces_over_time(tl, facts, n)
+             and not any(u in cand for u in n.users)}
     pieces = _convex_pieces(order, cand, tl, facts)
     # peeling removes only source nodes of a piece: what is left stays convex
     pieces = [q for p in pieces for q in _components(_peel(p, free)) if q]
@@ -311,6 +345,9 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     plans = []
     for comp in pieces:
         nodes = sorted(comp, key=pos.get)
+        if _replay_saved(nodes) is None:  # e.g. a weighted, smoothed cross-entropy has no meta
+            comp -= {n for n in comp if reduces_over_time(tl, facts, n)}  # kernel: keep the rest
+            nodes = sorted(comp, key=pos.get)
         inputs, outputs = _boundary(comp)
         inputs.sort(key=pos.get)
         outputs.sort(key=pos.get)
@@ -320,7 +357,7 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
             continue
         plans.append(TailPlan(nodes, inputs, outputs,
                               tuple(full_time_dim(tl, facts, x) if _timed(tl, x) else None for x in inputs),
-                              tuple(int(full_time_dim(tl, facts, y)) for y in outputs), saved, kept))
+                              tuple(full_time_dim(tl, facts, y) for y in outputs), saved, kept))
     return plans
 
 
