@@ -139,6 +139,18 @@ def hf_llama() -> nn.Module:
     return LogitsOf(LlamaForCausalLM(config))
 
 
+class WithLoss(nn.Module):
+    """``model`` with its cross-entropy inside (as ``transformers`` computes it with ``labels=``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, str]:
     """The model, a batch of token ids, and a description for the table's caption."""
     if name == "hf_llama":
@@ -235,15 +247,20 @@ def warm_up_inductor(device: torch.device) -> None:
 
 
 def measure_one(model_name: str, method: str, T: int, batch: int, shard: int, chunk: int, repeat: int,
-                device: torch.device = torch.device("cpu")) -> dict:
+                device: torch.device = torch.device("cpu"), loss_inside: bool = False) -> dict:
     torch._dynamo.reset()  # every torch.compile row compiles afresh, under its own config
     model, ids, desc = make_model(model_name, T, batch)
+    if loss_inside:
+        model, desc = WithLoss(model), desc + "; the cross-entropy inside the compiled module"
     model, ids = model.to(device), ids.to(device)
     run, label = runner(method, model, shard=shard, chunk=chunk)
     labels = torch.roll(ids, -1, 1)
 
     def step(ids: torch.Tensor) -> None:
         model.zero_grad(set_to_none=True)
+        if loss_inside:
+            run(ids, labels).backward()
+            return
         logits = run(ids)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
 
@@ -314,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--loss-inside", action="store_true",
+                   help="compile the model with its cross-entropy (as transformers' labels=) instead of the logits")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -337,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not applies(method, model_name):
                     continue
                 r = measure_one(model_name, method, T, args.batch, args.shard_size, args.chunk_size, args.repeat,
-                                device)
+                                device, loss_inside=args.loss_inside)
                 gc.collect()  # the row's model and compiled code are garbage now
                 descs[model_name] = r["model_desc"]
                 rows.append(r)
@@ -350,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         raw.write_text(json.dumps(rows, indent=1))
     text = (
         "Models: " + "; ".join(f"{k}: {v}" for k, v in descs.items())
-        + f". Batch {args.batch}, float32, vocab 256, cross-entropy outside the model; adjoint shard "
+        + f". Batch {args.batch}, float32, vocab 256, cross-entropy "
+        + ("inside" if args.loss_inside else "outside") + f" the model; adjoint shard "
         f"{args.shard_size}, seco chunk {args.chunk_size}. Machine: {machine(device)}. Step time: median of "
         f"{args.repeat} step(s) after a warm-up step and one measured step"
         + (" (noisy on this shared machine); peak: the CPU allocator's peak during the step above what was live "
