@@ -279,11 +279,9 @@ class _WithLoss(nn.Module):
 @pytest.mark.parametrize("kind", ["cross_entropy", "weighted", "summed", "mean"])
 def test_a_loss_inside_the_model_is_reduced_shard_by_shard(plan, opts, kind):
     """The tail ends in the loss: the logits are never kept (saved = layer inputs, tail input and
-    checkpoints, as without the loss), and the loss and every gradient match autograd.
-
-    Batch 1: with batch > 1 the ``(B, T, V) -> (B*T, V)`` merge before the loss is not yet taken
-    into the tail (the loss then stays under autograd, exact, keeping the logits)."""
-    batch, T = 1, 23
+    checkpoints, as without the loss), and the loss and every gradient match autograd. Batch 2:
+    the loss reads ``(B*T, V)`` rows, batch and time merged, and the reshaped targets join the tail."""
+    batch, T = 2, 23
     model = _WithLoss(_lm(2), kind)
     ids = torch.randint(0, CFG["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(ids, -1, 1)

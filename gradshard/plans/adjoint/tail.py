@@ -277,6 +277,10 @@ def _convex_pieces(order: list[fx.Node], cand: set[fx.Node], tl: Any, facts: dic
         for comp in _components(pending.pop()):
             keep = _convex(order, comp)
             if keep != comp:
+                # a source read only past the exit goes with its readers (a loss's reshaped targets)
+                rest = comp - keep
+                keep -= {n for n in keep if n.users and all(u in rest for u in n.users)
+                         and not any(a in comp for a in n.all_input_nodes)}
                 pending += [keep, comp - keep]
                 continue
             inputs, outputs = _boundary(comp)
