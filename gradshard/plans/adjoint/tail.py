@@ -79,16 +79,20 @@ def _op_name(n: fx.Node) -> str:
     return getattr(packet, "__name__", getattr(t, "__name__", str(t))).rstrip("_")
 
 
-def full_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
-    """The node's time dim if it has exactly one, of full length (``shift 0``); else ``None``."""
+def _time_dim_fact(tl: Any, facts: dict, n: fx.Node) -> Optional[tuple[int, Any]]:
+    """The node's one time dim (from step 0) and its size fact; ``None`` if it has none or several."""
     info = tl.info.get(n.name)
     if info is None or len(info.time_dims) != 1 or info.origin != 0:
         return None
     d = info.time_dims[0]
     f = facts.get(n.name, ())
-    if d >= len(f) or f[d] is None or f[d].kind != "shift" or f[d].value != 0:
-        return None
-    return d
+    return (d, f[d]) if d < len(f) and f[d] is not None else None
+
+
+def full_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
+    """The node's time dim if it has exactly one, of full length (``shift 0``); else ``None``."""
+    got = _time_dim_fact(tl, facts, n)
+    return got[0] if got is not None and got[1].kind == "shift" and got[1].value == 0 else None
 
 
 def _timed(tl: Any, n: fx.Node) -> bool:
@@ -120,21 +124,16 @@ def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
 def _whole_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
     """The node's time dim if it holds every step: full length, or merged with batch
     (``(B, T, V) -> (B*T, V)``: a sum over that dim adds the same rows in another order)."""
-    d = full_time_dim(tl, facts, n)
-    if d is not None:
-        return d
-    info = tl.info.get(n.name)
-    if info is None or len(info.time_dims) != 1 or info.origin != 0:
+    got = _time_dim_fact(tl, facts, n)
+    if got is None or not (got[1].kind == "scale" or got[1].kind == "shift" and got[1].value == 0):
         return None
-    d = info.time_dims[0]
-    f = facts.get(n.name, ())
-    return d if d < len(f) and f[d] is not None and f[d].kind == "scale" else None
+    return got[0]
 
 
 def reduces_over_time(tl: Any, facts: dict, n: fx.Node) -> bool:
-    """Whether ``n`` reduces a full-length time-carrying value over time (a rule in
+    """Whether ``n`` reduces a time-carrying value holding every step over time (a rule in
     :data:`~gradshard.plans.adjoint.reductions.REDUCTIONS`) and every other time-carrying input
-    it reads (a loss's targets) has a full-length time dim too."""
+    it reads (a loss's targets) holds every step too (full length, or merged with batch)."""
     if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node) or _timed(tl, n):
         return False
     if not time_reduction(n, _whole_time_dim(tl, facts, n.args[0])):
@@ -247,7 +246,11 @@ def autograd_saved_bytes(nodes: list[fx.Node], free: set[fx.Node]) -> int:
     Saved views count once per storage; storages of free values count nothing; an op
     without a meta kernel makes the answer 0 (unknown: nothing is gained by recomputing).
     """
-    got = _replay_saved(nodes)
+    return _saved_bytes(_replay_saved(nodes), free)
+
+
+def _saved_bytes(got: Optional[tuple[dict[int, int], dict[int, fx.Node]]], free: set[fx.Node]) -> int:
+    """:func:`autograd_saved_bytes` from a replay's result."""
     if got is None:
         return 0
     seen, owner = got
@@ -349,13 +352,15 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     plans = []
     for comp in pieces:
         nodes = sorted(comp, key=pos.get)
-        if _replay_saved(nodes) is None:  # e.g. a weighted, smoothed cross-entropy has no meta
-            comp -= {n for n in comp if reduces_over_time(tl, facts, n)}  # kernel: keep the rest
+        replay = _replay_saved(nodes)
+        if replay is None:  # e.g. a weighted, smoothed cross-entropy has no meta kernel:
+            comp -= {n for n in comp if reduces_over_time(tl, facts, n)}  # keep the rest
             nodes = sorted(comp, key=pos.get)
+            replay = _replay_saved(nodes)
         inputs, outputs = _boundary(comp)
         inputs.sort(key=pos.get)
         outputs.sort(key=pos.get)
-        saved = autograd_saved_bytes(nodes, free)
+        saved = _saved_bytes(replay, free)
         kept = _kept_bytes(inputs, free)
         if saved <= kept:
             continue
