@@ -1,7 +1,7 @@
 """Benchmark gradshard composed with Inductor (issue 19) against eager and ``torch.compile``.
 
 For each model (the example selective SSM, a log-space minGRU LM, the example Llama, a
-``transformers`` Llama built from config) and each
+``transformers`` Llama and Mamba-2 built from config) and each
 length T, one training step (forward, cross-entropy outside the model, backward) is measured
 with ``gs.measure`` after a warm-up step that captures and compiles:
 
@@ -61,8 +61,8 @@ from results_md import OUTPUT_DIR, RESULTS, write_section  # noqa: E402
 
 HEADING = "## Composing with Inductor (issue 19)"
 HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
-MODELS = ("ssm", "mingru", "llama", "hf_llama")
-RECURRENT = ("ssm", "mingru")  # adjoint rows; the others get seco rows
+MODELS = ("ssm", "mingru", "llama", "hf_llama", "hf_mamba2")
+RECURRENT = ("ssm", "mingru", "hf_mamba2")  # adjoint rows; the others get seco rows
 METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager", "gs_seco",
            "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
 DEFAULT_METHODS = METHODS
@@ -139,14 +139,30 @@ def hf_llama() -> nn.Module:
     return LogitsOf(LlamaForCausalLM(config))
 
 
+def hf_mamba2() -> nn.Module:
+    """A random-weight ``transformers`` Mamba2ForCausalLM: d=64, 4 layers, 8 heads of 16, N=16."""
+    try:
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+    except ImportError as exc:
+        raise SystemExit("bench_compose --models hf_mamba2 needs `transformers` (pip install gradshard[dev])") from exc
+    config = Mamba2Config(vocab_size=256, hidden_size=64, num_heads=8, head_dim=16, expand=2, state_size=16,
+                          n_groups=1, conv_kernel=4, chunk_size=64, num_hidden_layers=4, use_cache=False)
+    torch.manual_seed(0)
+    return LogitsOf(Mamba2ForCausalLM(config))
+
+
 class WithLoss(nn.Module):
-    """``model`` with its cross-entropy inside (as ``transformers`` computes it with ``labels=``)."""
+    """``model`` with its cross-entropy inside: ``transformers``' own ``labels=`` loss (logits cast
+    to float32, labels shifted inside) for a :class:`LogitsOf`, else the next-token cross-entropy
+    of the logits against ``labels`` (the ids rolled by one)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model, LogitsOf):  # transformers shifts the labels itself: pass the ids
+            return self.model.model(input_ids=ids, labels=ids).loss
         logits = self.model(ids)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
@@ -157,6 +173,10 @@ def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, 
         ids = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(T))
         return hf_llama(), ids, ("`transformers` LlamaForCausalLM from config: d=64, 4 layers, 4 heads (2 KV), "
                                  "SDPA, called as `model(input_ids=ids).logits`")
+    if name == "hf_mamba2":
+        ids = torch.randint(0, 256, (batch, T), generator=torch.Generator().manual_seed(T))
+        return hf_mamba2(), ids, ("`transformers` Mamba2ForCausalLM from config: d=64, 4 layers, 8 heads of 16, "
+                                  "N=16, SSD chunk 64 (its torch path)")
     if name == "ssm":
         model, (ids,) = factories.ssm(d_model=64, n_layers=4, d_state=16, seq_len=T, batch=batch)
         return model, ids, "example selective SSM (`factories.ssm`): d=64, N=16, 4 layers, log-space cumsum scan"

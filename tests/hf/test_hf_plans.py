@@ -136,6 +136,33 @@ def test_hf_call_convention_returns_the_models_output_with_loss() -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_labels_loss_is_reduced_shard_by_shard_under_adjoint(family: str) -> None:
+    """``cm(input_ids=..., labels=...)`` under adjoint: transformers' loss (logits cast to
+    float32, labels shifted by ``pad`` + ``slice``, rows merged to ``(B*T, V)``) ends the
+    time-local tail, so the forward saves no ``(B*T, V)`` logits or log-softmax; loss and
+    gradients match eager (float32 islands in float64)."""
+    model, config = build(family, fp64_loss=False)
+    ref = copy.deepcopy(model)
+    batch = inputs(config, batch=2, T=T - 8)
+    batch["labels"][0, 3:7] = -100
+    cm = gs.compile(model, plan="adjoint", shard_size=8)
+    with Float64Everywhere():
+        out, want = cm(**batch), ref(**batch)
+        out.loss.backward()
+        want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-12, atol=0)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert any("cross_entropy" in n for r in cm.regions if r.kind == "local_recompute" for n in r.nodes)
+    rows, V = 2 * (T - 8), config.vocab_size
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        with Float64Everywhere():
+            cm(**batch)
+    assert not [s for s in saved if s in ((rows, V), (2, T - 8, V))], saved
+
+
 CELLS = [(f, a, p) for f in FAMILIES for a in ATTN_IMPLS[f] for p in OPTIONS]
 
 

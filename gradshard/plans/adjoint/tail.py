@@ -12,9 +12,11 @@ and recomputes it shard by shard in the backward.
 regions are installed:
 
 1. candidates: ``call_function`` nodes outside the regions, carry one time dim,
-   read step ``t`` only (own reach ``[0, 0]``, no time offset), read at least one
+   read position ``t`` only (own reach ``[0, 0]``), read at least one
    time-carrying value, and are neither random, in place, nor position-sensitive
-   (``cat``/``slice``/``index``/...);
+   (``cat``/``slice``/``index``/...). Shards are positions, not absolute steps: a value
+   whose position 0 holds step 1 (next-token targets, ``pad`` + ``slice``) is cut like
+   any other once it exists at full length;
 2. convexity: each connected piece must not leave and re-enter itself (a piece runs as one
    call); the nodes past such an exit form a piece of their own;
 3. boundary: outputs and time-carrying inputs must have exactly one full-length time dim, or
@@ -80,9 +82,11 @@ def _op_name(n: fx.Node) -> str:
 
 
 def _time_dim_fact(tl: Any, facts: dict, n: fx.Node) -> Optional[tuple[int, Any]]:
-    """The node's one time dim (from step 0) and its size fact; ``None`` if it has none or several."""
+    """The node's one time dim and its size fact; ``None`` if it has none or several.
+
+    Whatever step its position 0 holds (``origin``): a shard cuts positions."""
     info = tl.info.get(n.name)
-    if info is None or len(info.time_dims) != 1 or info.origin != 0:
+    if info is None or len(info.time_dims) != 1:
         return None
     d = info.time_dims[0]
     f = facts.get(n.name, ())
@@ -101,11 +105,12 @@ def _timed(tl: Any, n: fx.Node) -> bool:
 
 
 def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
-    """Whether ``n`` computes step ``t`` of its time-carrying output from step ``t`` of its inputs only."""
+    """Whether ``n`` computes position ``t`` of its time-carrying output from position ``t`` of
+    its inputs only (whatever steps those positions hold: ``logits[t]`` beside ``labels[t + 1]``)."""
     if n.op != "call_function" or _val(n) is None:
         return False
     info = tl.info.get(n.name)
-    if info is None or len(info.time_dims) != 1 or info.origin != 0:
+    if info is None or len(info.time_dims) != 1:
         return False
     if info.local is None or not info.local.is_pointwise:
         return False
@@ -115,10 +120,8 @@ def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
         return False
     if _op_name(n) in _POSITIONAL:
         return False
-    ins = [a for a in n.all_input_nodes if _timed(tl, a)]
-    if not ins:
-        return False  # a time-carrying value built from no time-carrying input (positions, constants)
-    return all((tl.info[a.name].origin == 0) for a in ins)
+    # a time-carrying value built from no time-carrying input (positions, constants) is not
+    return any(_timed(tl, a) for a in n.all_input_nodes)
 
 
 def _whole_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
@@ -270,6 +273,27 @@ def _saves_only(n: fx.Node, allowed: set[fx.Node], free: set[fx.Node]) -> bool:
     return True
 
 
+def _read_only_past(keep: set[fx.Node], rest: set[fx.Node], comp: set[fx.Node]) -> set[fx.Node]:
+    """The nodes of ``keep`` that go with ``rest``, the piece past a convexity exit: a chain
+    fed from outside ``comp`` and read only by ``rest`` (a loss's shifted, reshaped targets)."""
+    past: set[fx.Node] = set()
+    changed = True
+    while changed:  # read only by rest, or by nodes read only by rest
+        changed = False
+        for n in keep - past:
+            if n.users and all(u in rest or u in past for u in n.users):
+                past.add(n)
+                changed = True
+    changed = True
+    while changed:  # and fed by nothing in comp that stays
+        changed = False
+        for n in list(past):
+            if any(a in comp and a not in past for a in n.all_input_nodes):
+                past.discard(n)
+                changed = True
+    return past
+
+
 def _convex_pieces(order: list[fx.Node], cand: set[fx.Node], tl: Any, facts: dict) -> list[set[fx.Node]]:
     """Candidates split into connected pieces, each convex (no path leaves a piece and comes back:
     a piece runs as one call) and with full-length single time dims at its boundary. The nodes of a
@@ -280,10 +304,7 @@ def _convex_pieces(order: list[fx.Node], cand: set[fx.Node], tl: Any, facts: dic
         for comp in _components(pending.pop()):
             keep = _convex(order, comp)
             if keep != comp:
-                # a source read only past the exit goes with its readers (a loss's reshaped targets)
-                rest = comp - keep
-                keep -= {n for n in keep if n.users and all(u in rest for u in n.users)
-                         and not any(a in comp for a in n.all_input_nodes)}
+                keep -= _read_only_past(keep, comp - keep, comp)
                 pending += [keep, comp - keep]
                 continue
             inputs, outputs = _boundary(comp)
@@ -346,7 +367,7 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
              and not any(u in cand for u in n.users)}
     pieces = _convex_pieces(order, cand, tl, facts)
     # peeling removes only source nodes of a piece: what is left stays convex
-    pieces = [q for p in pieces for q in _components(_peel(p, free)) if q]
+    pieces = [q for p in pieces for q in _components(_peel(p, free, tl, facts)) if q]
     pieces = _acyclic_once_collapsed(order, regions, pieces)
     pos = {n: i for i, n in enumerate(order)}
     plans = []
@@ -370,11 +391,12 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     return plans
 
 
-def _peel(cand: set[fx.Node], free: set[fx.Node]) -> set[fx.Node]:
+def _peel(cand: set[fx.Node], free: set[fx.Node], tl: Any, facts: dict) -> set[fx.Node]:
     """Move out nodes whose inputs all lie outside while the bytes kept do not grow.
 
     A node moved out runs under autograd again: it may leave only if its backward saves
-    nothing but free values and values the segment keeps anyway (``y + out``, ``0.1 * x``).
+    nothing but free values and values the segment keeps anyway (``y + out``, ``0.1 * x``),
+    and, as the segment's input then, it has a time dim a shard can cut (not ``(B*T,)`` targets).
     """
     cand = set(cand)
     changed = True
@@ -382,7 +404,7 @@ def _peel(cand: set[fx.Node], free: set[fx.Node]) -> set[fx.Node]:
         changed = False
         cost = _kept_bytes(_boundary(cand)[0], free)
         for n in sorted(cand, key=lambda m: m.name):
-            if any(a in cand for a in n.all_input_nodes):
+            if any(a in cand for a in n.all_input_nodes) or _timed(tl, n) and full_time_dim(tl, facts, n) is None:
                 continue
             rest = cand - {n}
             rest_inputs = _boundary(rest)[0]
