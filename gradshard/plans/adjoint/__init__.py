@@ -18,6 +18,7 @@ from gradshard.passes.recurrence_mlstm import rewrite_chunkwise_mlstm
 from gradshard.passes.recurrence_driven import roll_driven_loops
 from gradshard.passes.roll_loops import roll_loops
 from gradshard.passes.simplify_masks import simplify_attention_masks
+from gradshard.passes.trim_padding import drop_right_padding
 from gradshard.plans.adjoint.rewrite import rewrite_adjoint
 from gradshard.plans.registry import register_plan
 
@@ -45,6 +46,10 @@ PASSES = (
     #    scan-op node each and recompute the time analysis; after rolling (loops become scan
     #    ops too), before detection (which then sees one node per recurrence).
     canonicalize_recurrences,
+    # 3b. a block-form scan's right padding cut back by a slice through pointwise ops (Mamba-2's
+    #     skip connection) reads the unpadded values; after canonicalization, which emits such
+    #     pads around the scans it rewrites, before detection and the tails (a pad stops them).
+    drop_right_padding,
     # 4. report regions (recurrences, and anything else that reads far along time); pure.
     detect_regions,
     # 5. cut each recurrence's producers/scan/readout into one AdjointRegion module; needs

@@ -16,8 +16,10 @@ in time, so the backward can recompute it one shard at a time from its inputs.
   the VJP of the incoming output gradients, write the input gradients into the shard's
   rows and accumulate the parameter gradients. Exact: the same ops on the same rows.
 
-Every time-carrying input and output has one time dim of full length (the segment has no
-halo: each op reads step ``t`` only). An output may instead be a reduction over time (the
+Every time-carrying input and output has one time dim of full length. With a ``halo`` (a
+causal ``conv1d`` inside: position ``t`` reads ``t - halo .. t``) each shard ``[s, e)`` runs on
+the inputs' rows ``[s - halo, e)`` and keeps its outputs' last ``e - s`` rows; the backward
+adds the window's input gradients into those rows (overlapping windows add up). An output may instead be a reduction over time (the
 loss; its time dim is ``None``): the graph returns its per-shard numerator and, appended to
 the outputs, its denominator (:mod:`gradshard.plans.adjoint.reductions`); the forward sums
 both over shards and divides once, the backward hands each shard's numerator the output
@@ -51,13 +53,14 @@ class LocalSegment(nn.Module):
     denominators); ``input_time_dims`` / ``output_time_dims``: the time dim of each (``None``:
     an input without time, or an output reduced over time); ``divisors``: per reduced output
     in order, the position of its denominator among the graph's outputs (``None``: a sum);
-    ``facts``: time facts by node name, to re-specialise ``graph`` to a shard.
+    ``facts``: time facts by node name, to re-specialise ``graph`` to a shard; ``halo``: the
+    steps before a shard its outputs read (no reduced output then).
     """
 
     def __init__(self, name: str, graph: fx.GraphModule, facts: Mapping[str, tuple[Optional[DimFact], ...]],
                  input_time_dims: Sequence[Optional[int]], output_time_dims: Sequence[Optional[int]], *,
                  captured_len: int, shard_size: int, describe: str = "", costs: Optional[Mapping[str, int]] = None,
-                 divisors: Sequence[Optional[int]] = ()) -> None:
+                 divisors: Sequence[Optional[int]] = (), halo: int = 0) -> None:
         super().__init__()
         self.region_name = name
         self.graph_module = graph
@@ -68,6 +71,9 @@ class LocalSegment(nn.Module):
         if len(reduced) != len(divisors):
             raise ValueError(f"{name}: {len(reduced)} reduced output(s) but {len(divisors)} divisor(s)")
         self.divisors = tuple(divisors)
+        if halo and reduced:
+            raise ValueError(f"{name}: a reduction over time cannot run in windows with a halo ({halo} steps)")
+        self.halo = int(halo)
         #: reduced output position -> position of its denominator among the graph's outputs
         self.denominator_of = dict(zip(reduced, self.divisors))
         self.captured_len = int(captured_len)
@@ -103,9 +109,14 @@ class LocalSegment(nn.Module):
     def shards(self, T: int) -> list[tuple[int, int]]:
         return shard_bounds(T, self.shard_size)
 
+    def window_start(self, s: int) -> int:
+        """First input row shard ``[s, e)`` reads."""
+        return max(0, s - self.halo)
+
     def window(self, inputs: Sequence[Any], s: int, e: int) -> list[Any]:
-        """Rows ``[s, e)`` of the time-carrying inputs (contiguous: the graph's views expect it)."""
-        return [x.narrow(d, s, e - s).contiguous() if d is not None else x for x, d in zip(inputs, self.input_time_dims)]
+        """Rows ``[s - halo, e)`` of the time-carrying inputs (contiguous: the graph's views expect it)."""
+        w = self.window_start(s)
+        return [x.narrow(d, w, e - w).contiguous() if d is not None else x for x, d in zip(inputs, self.input_time_dims)]
 
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         return LocalSegmentFunction.apply(self, *inputs)
@@ -119,19 +130,21 @@ class LocalSegment(nn.Module):
         per_step = lambda key: c.get(key, 0) / max(T, 1)  # noqa: E731
         out = [Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
                      memory_bytes=int(c.get("saved_bytes", 0)), flops=int(c.get("fwd_flops", 0)), kernel="torch",
-                     note=f"{len(shards)} shard(s) of {self.shard_size}; saves its inputs only "
+                     note=f"{len(shards)} shard(s) of {self.shard_size}"
+                          + (f" (+{self.halo} steps of halo)" if self.halo else "") + "; saves its inputs only "
                           f"(autograd would keep {c.get('autograd_saved_bytes', 0):,} B)")]
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             # the last backward stage names the forward stage: Program.estimated_peak_bytes frees it there
             out.append(Stage(name=f"{n}:shard{k}:vjp_shard", kind="vjp_shard", phase="backward", region=n,
-                             memory_bytes=int(per_step("work_bytes") * (e - s)),
-                             flops=int((per_step("fwd_flops") + per_step("bwd_flops")) * (e - s)), kernel="torch",
+                             memory_bytes=int(per_step("work_bytes") * (e - self.window_start(s))),
+                             flops=int((per_step("fwd_flops") + per_step("bwd_flops")) * (e - self.window_start(s))),
+                             kernel="torch",
                              note=f"{n}:forward" if k == 0 else f"recompute steps [{s}, {e}) and apply the VJP"))
         return out
 
     def extra_repr(self) -> str:
-        return f"{self.region_name}: {self.describe}, shard_size={self.shard_size}"
+        return f"{self.region_name}: {self.describe}, shard_size={self.shard_size}" + (f", halo={self.halo}" if self.halo else "")
 
 
 def _shard_grad(ctx: Any, i: int, g: Tensor, td: Optional[int], s: int, e: int) -> Tensor:
@@ -153,7 +166,8 @@ class LocalSegmentFunction(torch.autograd.Function):
         dens: dict[int, Tensor] = {}
         with torch.no_grad():
             for s, e in seg.shards(T):
-                ys = _as_list(seg.runner(e - s)(*seg.window(inputs, s, e)))
+                w = seg.window_start(s)
+                ys = _as_list(seg.runner(e - w)(*seg.window(inputs, s, e)))
                 for i, (y, td) in enumerate(zip(ys, seg.output_time_dims)):
                     if td is None:  # a reduction over time: numerator (and denominator) summed
                         outputs[i] = y if outputs[i] is None else outputs[i] + y
@@ -165,7 +179,7 @@ class LocalSegmentFunction(torch.autograd.Function):
                         shape = list(y.shape)
                         shape[td] = T
                         outputs[i] = y.new_empty(shape)
-                    outputs[i].narrow(td, s, e - s).copy_(y)
+                    outputs[i].narrow(td, s, e - s).copy_(y.narrow(td, s - w, e - s))
         for i, den in dens.items():
             outputs[i] = outputs[i] / den
         ctx.seg = seg
@@ -188,15 +202,17 @@ class LocalSegmentFunction(torch.autograd.Function):
         shards = seg.shards(ctx.T)
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
+            w = seg.window_start(s)
             leaves: list[Any] = []
             for i, (x, d) in enumerate(zip(inputs, seg.input_time_dims)):
                 if d is None:
                     leaves.append(static[i])
                 else:
-                    w = x.narrow(d, s, e - s).detach().contiguous()
-                    leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
-            with torch.enable_grad():
-                ys = _as_list(seg.runner(e - s)(*leaves))
+                    x = x.narrow(d, w, e - w).detach().contiguous()
+                    leaves.append(x.requires_grad_(bool(needs[i])) if x.dtype.is_floating_point else x)
+            with torch.enable_grad():  # the shard's own rows of the window's outputs
+                ys = [y if td is None or not isinstance(y, Tensor) else y.narrow(td, s - w, e - s)
+                      for y, td in zip(_as_list(seg.runner(e - w)(*leaves)), seg.output_time_dims)]
             pairs = [(y, _shard_grad(ctx, i, g, td, s, e)) for i, (y, g, td) in enumerate(zip(ys, grads, seg.output_time_dims))
                      if g is not None and isinstance(y, Tensor) and y.requires_grad]
             targets = [i for i, t in enumerate(leaves) if needs[i] and isinstance(t, Tensor) and t.requires_grad]
@@ -206,7 +222,7 @@ class LocalSegmentFunction(torch.autograd.Function):
                                       allow_unused=True)
             for i, gv in zip(targets, got):
                 if gv is not None:
-                    add_input_grad(grads_in, i, gv, seg.input_time_dims[i], s, e,
+                    add_input_grad(grads_in, i, gv, seg.input_time_dims[i], w, e,
                                    lambda i=i: torch.zeros_like(inputs[i]))
             del ys, pairs, got
         return (None, *grads_in)

@@ -182,8 +182,10 @@ def build_tail_module(gm: fx.GraphModule, tail: TailPlan, facts: dict, name: str
     desc = (f"time-local tail of {len(tail.nodes)} nodes ({', '.join(n.name for n in tail.nodes[:4])}"
             f"{', ...' if len(tail.nodes) > 4 else ''}); keeps {tail.kept:,} B instead of {tail.autograd_saved:,} B"
             + (f"; reduces {', '.join(reduced)} over time shard by shard" if reduced else ""))
+    if tail.halo:
+        desc += f"; each shard reads {tail.halo} earlier steps (halo)"
     return LocalSegment(name, graph, facts, tail.input_time_dims, tail.output_time_dims, captured_len=T,
-                        shard_size=shard_size, describe=desc, divisors=divisors,
+                        shard_size=shard_size, describe=desc, divisors=divisors, halo=tail.halo,
                         costs={"saved_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved,
                                "fwd_flops": sum(c.fwd_flops for c in costs), "bwd_flops": sum(c.bwd_flops for c in costs),
                                "work_bytes": sum(c.out_bytes for c in costs)})
@@ -346,7 +348,7 @@ def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dic
     for tail, seg in zip(tails, mods):
         small = max(1, -(-T // 3))
         probe = LocalSegment(seg.region_name, seg.graph_module, seg.facts, seg.input_time_dims, seg.output_time_dims,
-                             captured_len=seg.captured_len, shard_size=small, divisors=seg.divisors)
+                             captured_len=seg.captured_len, shard_size=small, divisors=seg.divisors, halo=seg.halo)
         try:
             with torch.no_grad():
                 outs = probe(*[values[x.name] for x in tail.inputs])
@@ -370,7 +372,8 @@ def _tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set[fx.Node]]
     plans, mods = [], []
     for tail in find_local_tails(gm, tl, facts, regions, kept_anyway, excluded):
         seg = build_tail_module(gm, tail, facts, f"tail_{len(mods)}", tl.seq_len, shard)
-        if not _respecializes(seg.graph_for, _check_lengths(tl.seq_len, shard)):
+        lengths = _check_lengths(tl.seq_len, shard)
+        if not _respecializes(seg.graph_for, sorted({*lengths, *(L + seg.halo for L in lengths)} - {tl.seq_len})):
             continue
         plans.append(tail)
         mods.append(seg)
@@ -438,7 +441,9 @@ def _install_tail(gm: fx.GraphModule, tail: TailPlan, seg: LocalSegment, facts: 
                   inputs=tuple(x.name for x in inputs), outputs=tuple(y.name for y in tail.outputs),
                   time_axis=next(d for d in (*tail.output_time_dims, *tail.input_time_dims) if d is not None),
                   source=source,
-                  options={"form": "pointwise in time, recomputed in shards", "shard_size": seg.shard_size,
+                  options={"form": "pointwise in time, recomputed in shards" if not seg.halo else
+                           f"a causal window of {seg.halo + 1} steps, recomputed in shards", "shard_size": seg.shard_size,
+                           **({"halo": seg.halo} if seg.halo else {}),
                            "kept_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved})
 
 

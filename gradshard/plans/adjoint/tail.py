@@ -12,11 +12,14 @@ and recomputes it shard by shard in the backward.
 regions are installed:
 
 1. candidates: ``call_function`` nodes outside the regions, carry one time dim,
-   read position ``t`` only (own reach ``[0, 0]``), read at least one
-   time-carrying value, and are neither random, in place, nor position-sensitive
-   (``cat``/``slice``/``index``/...). Shards are positions, not absolute steps: a value
-   whose position 0 holds step 1 (next-token targets, ``pad`` + ``slice``) is cut like
-   any other once it exists at full length;
+   read position ``t`` only (own reach ``[0, 0]``, or a split beside time) or a causal
+   window of at most :data:`MAX_HALO` positions before it (``conv1d``, and the slice cutting
+   its output back to full length), read at least one time-carrying value, and are neither
+   random, in place, nor position-sensitive (``cat``/``slice``/``index``/...). Shards are
+   positions, not absolute steps: a value whose position 0 holds step 1 (next-token targets,
+   ``pad`` + ``slice``) is cut like any other once it exists at full length. A segment with a
+   window (its halo: the longest sum of windows along a path) runs each shard on its inputs
+   from ``halo`` steps earlier and keeps only the shard's own outputs;
 2. convexity: each connected piece must not leave and re-enter itself (a piece runs as one
    call); the nodes past such an exit form a piece of their own;
 3. boundary: outputs and time-carrying inputs must have exactly one full-length time dim, or
@@ -68,6 +71,7 @@ class TailPlan:
     output_time_dims: tuple[Optional[int], ...]  # None: a reduction over time (summed over shards)
     autograd_saved: int  # bytes plain autograd keeps for these nodes (not counting free values)
     kept: int  # bytes the segment keeps (its non-free inputs)
+    halo: int = 0  # steps before a shard its outputs read (a causal conv's window - 1)
 
 
 def _val(n: Any) -> Optional[torch.Tensor]:
@@ -122,6 +126,76 @@ def pointwise_in_time(tl: Any, n: fx.Node) -> bool:
         return False
     # a time-carrying value built from no time-carrying input (positions, constants) is not
     return any(_timed(tl, a) for a in n.all_input_nodes)
+
+
+#: a segment recomputes at most this many steps before each shard (a causal conv's kernel - 1)
+MAX_HALO = 64
+
+
+def _trims_time(tl: Any, facts: dict, n: fx.Node) -> bool:
+    """Whether ``n`` is ``x[..., :T]`` along time: the full-length prefix of a longer value
+    (a causal conv's output, padded on both sides, cut back to its input's length)."""
+    if n.target is not aten.slice.Tensor or not isinstance(n.args[0], fx.Node) or _val(n.args[0]) is None:
+        return False
+    x = n.args[0]
+    args = list(n.args) + [None] * (5 - len(n.args))
+    dim, start, step = args[1] or 0, args[2], args[4] if args[4] is not None else 1
+    src, out = _time_dim_fact(tl, facts, x), _time_dim_fact(tl, facts, n)
+    if src is None or out is None or step != 1 or start not in (None, 0):
+        return False
+    return (dim % _val(x).dim() == src[0] == out[0] and out[1].kind == "shift" and out[1].value == 0
+            and tl.info[x.name].origin == tl.info[n.name].origin)
+
+
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+
+
+def _splits_beside_time(tl: Any, n: fx.Node) -> bool:
+    """Whether ``n`` splits a value along a dim other than its time dim (``in_proj`` output
+    into gate, conv input and time step), or takes one piece of such a split."""
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        return _splits_beside_time(tl, n.args[0]) and _val(n) is not None
+    if n.target not in _SPLITS or not isinstance(n.args[0], fx.Node) or _val(n.args[0]) is None:
+        return False
+    info, src = tl.info.get(n.name), tl.info.get(n.args[0].name)
+    if info is None or src is None or len(src.time_dims) != 1 or info.time_dims != src.time_dims:
+        return False
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return dim % _val(n.args[0]).dim() != src.time_dims[0]
+
+
+def halo_in_time(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
+    """How many steps before position ``t`` the node reads to compute position ``t`` (0:
+    pointwise, or a split beside time; ``k``: a causal window such as ``conv1d`` with ``k``
+    left padding, or 0 for the trim of its output back to full length); ``None`` if it cannot
+    run on a window of the sequence."""
+    if pointwise_in_time(tl, n) or _splits_beside_time(tl, n):
+        return 0
+    if n.op != "call_function" or _val(n) is None or not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    if not any(_timed(tl, a) for a in n.all_input_nodes):
+        return None
+    if _trims_time(tl, facts, n):
+        return 0
+    info = tl.info.get(n.name)
+    if info is None or len(info.time_dims) != 1 or info.local is None or _op_name(n) in _POSITIONAL:
+        return None
+    if torch.Tag.nondeterministic_seeded in n.target.tags or n.target._schema.is_mutable:
+        return None
+    lo, hi = info.local.lo, info.local.hi
+    if hi > 0 or not -MAX_HALO <= lo <= 0 or lo != int(lo):
+        return None
+    return int(-lo)
+
+
+def _halo(nodes: list[fx.Node], tl: Any, facts: dict) -> int:
+    """The steps before a shard that ``nodes`` (graph order) read: the largest sum of node halos
+    along a path."""
+    need: dict[fx.Node, int] = {}
+    for n in nodes:
+        own = halo_in_time(tl, facts, n) or 0
+        need[n] = own + max((need[a] for a in n.all_input_nodes if a in need), default=0)
+    return max(need.values(), default=0)
 
 
 def _whole_time_dim(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
@@ -361,7 +435,7 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     """
     order = list(gm.graph.nodes)
     barred = set().union(*regions, excluded)
-    cand = {n for n in order if n not in barred and pointwise_in_time(tl, n)}
+    cand = {n for n in order if n not in barred and halo_in_time(tl, facts, n) is not None}
     # a reduction over time ends a segment: no candidate may read its (whole-sequence) value
     cand |= {n for n in order if n not in barred and reduces_over_time(tl, facts, n)
              and not any(u in cand for u in n.users)}
@@ -373,6 +447,10 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     plans = []
     for comp in pieces:
         nodes = sorted(comp, key=pos.get)
+        halo = _halo(nodes, tl, facts)
+        if halo:  # a shard's window starts before the shard: a reduction would count those steps twice
+            comp -= {n for n in comp if reduces_over_time(tl, facts, n)}
+            nodes = sorted(comp, key=pos.get)
         replay = _replay_saved(nodes)
         if replay is None:  # e.g. a weighted, smoothed cross-entropy has no meta kernel:
             comp -= {n for n in comp if reduces_over_time(tl, facts, n)}  # keep the rest
@@ -387,7 +465,7 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
             continue
         plans.append(TailPlan(nodes, inputs, outputs,
                               tuple(full_time_dim(tl, facts, x) if _timed(tl, x) else None for x in inputs),
-                              tuple(full_time_dim(tl, facts, y) for y in outputs), saved, kept))
+                              tuple(full_time_dim(tl, facts, y) for y in outputs), saved, kept, halo))
     return plans
 
 
