@@ -90,14 +90,14 @@ def _saved_bytes_and_grads(model: nn.Module, run, ids: torch.Tensor) -> tuple[in
 
 @pytest.mark.parametrize("name", bc.MODELS)
 def test_ckpt_gives_eager_gradients_and_saves_less(name: str) -> None:
-    if name == "hf_llama":
-        pytest.importorskip("transformers", reason="the hf_llama model needs transformers (gradshard[dev])")
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers", reason=f"the {name} model needs transformers (gradshard[dev])")
     model, ids, _ = bc.make_model(name, 16, 2)
     model = model.double()
     ckpt_model = copy.deepcopy(model)
     run, label = bc.runner("ckpt", ckpt_model, shard=8, chunk=8)
     assert "checkpointing" in label
-    if name != "hf_llama":
+    if not name.startswith("hf_"):  # transformers checkpoints its own layers
         assert sum(isinstance(m, bc.Checkpointed) for m in ckpt_model.modules()) == 4  # the 4 blocks
     eager_saved, eager = _saved_bytes_and_grads(model, model, ids)
     ckpt_saved, ckpt = _saved_bytes_and_grads(ckpt_model, run, ids)

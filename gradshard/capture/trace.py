@@ -512,7 +512,7 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
         why = _misplaced_inputs(named_params + named_buffers, (args, kwargs)) or _why_trace_failed(exc)
         raise CaptureError("could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
                            + why) from exc
-    _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], len(example))
+    _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], example)
     canonicalize(gm)
     phs = list(gm.graph.find_nodes(op="placeholder"))
     updates = functionalize_buffer_updates(gm, phs[n_p : n_p + n_b], [n for n, _ in named_buffers])
@@ -583,17 +583,20 @@ def capture_graph_module(gm: fx.GraphModule, example_inputs: Sequence[torch.Tens
     # Dynamo's graph is already a trace (and its inputs may carry Dynamo's own fake/symbolic
     # sizes): lower it on the tensors Dynamo hands over, as they are.
     aten = _trace(flat_fn, list(example_inputs), [], mode="real")
-    for node, src in zip(aten.graph.find_nodes(op="placeholder"), gm.graph.find_nodes(op="placeholder")):
+    for node, src, x in zip(aten.graph.find_nodes(op="placeholder"), gm.graph.find_nodes(op="placeholder"), example_inputs):
         node.meta["gs_input_name"] = src.name
+        node.meta["gs_requires_grad"] = isinstance(x, torch.Tensor) and x.requires_grad
     return aten
 
 
-def _name_placeholders(gm: fx.GraphModule, state_names: list[str], n: int) -> None:
-    """Tag placeholders with what they are: ``param:NAME``/``buffer:NAME``/``input:i``."""
+def _name_placeholders(gm: fx.GraphModule, state_names: list[str], example: Sequence[Any]) -> None:
+    """Tag placeholders with what they are (the parameter or buffer name, or ``input{i}``) and
+    whether the tensor traced there requires grad (the fake values do not say)."""
     phs = list(gm.graph.find_nodes(op="placeholder"))
     for i, node in enumerate(phs):
         node.meta["gs_input_name"] = state_names[i] if i < len(state_names) else f"input{i - len(state_names)}"
         node.meta["gs_input_index"] = i
+        node.meta["gs_requires_grad"] = i < len(example) and isinstance(example[i], torch.Tensor) and example[i].requires_grad
 
 
 def _check_no_trainable_constants(gm: fx.GraphModule) -> None:

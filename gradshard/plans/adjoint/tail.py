@@ -299,8 +299,9 @@ def _replay_saved(nodes: list[fx.Node]) -> Optional[tuple[dict[int, int], dict[i
     def arg(a: fx.Node) -> Any:
         if a not in env:
             v = _val(a)
-            # a graph input keeps its own flag (a loss's class weights are a buffer: no gradient)
-            grad = a.op != "placeholder" or v is None or v.requires_grad
+            # a graph input keeps its own flag (a loss's class weights are a buffer: no gradient;
+            # a parameter traced on fake values is tagged by capture)
+            grad = a.op != "placeholder" or v is None or v.requires_grad or bool(a.meta.get("gs_requires_grad"))
             env[a] = _meta_like(v, grad) if v is not None else a.meta.get("val")
             own(a, env[a])
         return env[a]
