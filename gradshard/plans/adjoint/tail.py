@@ -444,7 +444,8 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
     # peeling removes only source nodes of a piece: what is left stays convex
     pieces = [q for p in pieces for q in _components(_peel(p, free, tl, facts)) if q]
     pieces = _acyclic_once_collapsed(order, regions, pieces)
-    pos = {n: i for i, n in enumerate(order)}
+    pieces = [_with_inputs_recomputed(gm, tl, facts, p, free, barred) for p in pieces]
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     plans = []
     for comp in pieces:
         nodes = sorted(comp, key=pos.get)
@@ -468,6 +469,19 @@ def find_local_tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set
                               tuple(full_time_dim(tl, facts, x) if _timed(tl, x) else None for x in inputs),
                               tuple(full_time_dim(tl, facts, y) for y in outputs), saved, kept, halo))
     return plans
+
+
+def _with_inputs_recomputed(gm: fx.GraphModule, tl: Any, facts: dict, piece: set[fx.Node],
+                            free: set[fx.Node], barred: set[fx.Node]) -> set[fx.Node]:
+    """``piece``, and copies of cheap chains computing its inputs when the piece is worth running
+    as a segment (:mod:`gradshard.plans.adjoint.tail_remat`); a piece that is not stays as it is,
+    so no copy runs under plain autograd."""
+    from gradshard.plans.adjoint.tail_remat import rematerialize_segment_inputs
+
+    nodes = sorted(piece, key={n: i for i, n in enumerate(gm.graph.nodes)}.get)
+    if _saved_bytes(_replay_saved(nodes), free) <= _kept_bytes(_boundary(piece)[0], free):
+        return piece
+    return rematerialize_segment_inputs(gm, tl, facts, piece, free, barred)
 
 
 def _peel(cand: set[fx.Node], free: set[fx.Node], tl: Any, facts: dict) -> set[fx.Node]:
