@@ -8,6 +8,13 @@ keeps those instead and recomputes the input's window in each backward shard
 (:class:`~gradshard.plans.adjoint.runtime.InputRemat`). The gradient still flows to the input
 itself (and from there through the original producer, left in the graph), so nothing about
 the gradient changes.
+
+The recomputation may also start from a computed value another reader needs anyway -- the
+residual stream a Mamba layer reads before its norm, ``in_proj`` and causal conv -- and read a
+causal window (``conv1d``: each window starts ``halo`` steps early). A value is such an anchor
+when some reader of it does not lead to the region input (the residual add beside the norm);
+the region then keeps the anchor (the same tensor its other reader keeps) instead of several
+wider inputs, when that keeps fewer bytes.
 """
 
 from __future__ import annotations
@@ -15,26 +22,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 
-from gradshard.plans.adjoint.tail import full_time_dim, pointwise_in_time
+from gradshard.analysis.node_costs import tensor_bytes
+from gradshard.plans.adjoint.time_local import full_time_dim, halo_in_time, path_halo, timed, value_of
 
 __all__ = ["InputRematPlan", "find_input_remats", "MAX_REMAT_NODES"]
 
-MAX_REMAT_NODES = 8  # a recomputation longer than this is not "cheap"
+MAX_REMAT_NODES = 24  # a recomputation longer than this is not "cheap" (norm, in_proj, conv: ~16)
 
 
 @dataclass(frozen=True)
 class InputRematPlan:
-    """Region input ``index`` is recomputed by ``nodes`` from ``leaves`` (graph inputs/params)."""
+    """Region input ``index`` is recomputed by ``nodes`` from ``leaves`` (graph inputs, parameters,
+    anchors), reading ``halo`` steps before each window."""
 
     index: int
     nodes: tuple[fx.Node, ...]  # graph order
     leaves: tuple[fx.Node, ...]
     leaf_time_dims: tuple[Optional[int], ...]
+    halo: int = 0
 
 
-def _recompute_from_leaves(tl: Any, x: fx.Node, order: dict[fx.Node, int]) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
+def _leads_to(x: fx.Node) -> set[fx.Node]:
+    """``x`` and its ancestors."""
+    seen: set[fx.Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack += n.all_input_nodes
+    return seen
+
+
+def _recompute_from_leaves(tl: Any, facts: dict, x: fx.Node, order: dict[fx.Node, int],
+                           barred: set[fx.Node]) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
+    """The nodes computing ``x`` from graph inputs, values without time and anchors (a tensor
+    some reader of which does not lead to ``x``), each recomputable on a window of time."""
+    up = _leads_to(x)
     nodes: set[fx.Node] = set()
     leaves: dict[fx.Node, None] = {}
     stack = [x]
@@ -42,10 +69,11 @@ def _recompute_from_leaves(tl: Any, x: fx.Node, order: dict[fx.Node, int]) -> Op
         n = stack.pop()
         if n in nodes or n in leaves:
             continue
-        if n.op in ("placeholder", "get_attr"):
+        anchor = n is not x and isinstance(value_of(n), torch.Tensor) and any(u not in up for u in n.users)
+        if n.op in ("placeholder", "get_attr") or not timed(tl, n) or anchor:
             leaves[n] = None
             continue
-        if not pointwise_in_time(tl, n):
+        if n in barred or halo_in_time(tl, facts, n) is None:
             return None
         nodes.add(n)
         if len(nodes) > MAX_REMAT_NODES:
@@ -54,29 +82,46 @@ def _recompute_from_leaves(tl: Any, x: fx.Node, order: dict[fx.Node, int]) -> Op
     return sorted(nodes, key=order.get), sorted(leaves, key=order.get)
 
 
+def _leaf_dims(tl: Any, facts: dict, leaves: list[fx.Node]) -> Optional[list[Optional[int]]]:
+    dims: list[Optional[int]] = []
+    for leaf in leaves:
+        if timed(tl, leaf):
+            d = full_time_dim(tl, facts, leaf)
+            if d is None:
+                return None
+            dims.append(d)
+        else:
+            dims.append(None)
+    return dims
+
+
 def find_input_remats(gm: fx.GraphModule, tl: Any, facts: dict, inputs: list[fx.Node],
-                      input_time_dims: tuple[Optional[int], ...]) -> list[InputRematPlan]:
-    """The time-carrying region ``inputs`` that are cheap, pointwise functions of graph inputs."""
+                      input_time_dims: tuple[Optional[int], ...],
+                      barred: frozenset[fx.Node] = frozenset()) -> list[InputRematPlan]:
+    """The time-carrying region ``inputs`` that are cheap functions of graph inputs and anchors,
+    where recomputing them keeps fewer bytes (an anchor another chosen remat reads is counted
+    once). ``barred``: nodes of recurrence regions (never recomputed here)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    out = []
+    found: list[tuple[int, list[fx.Node], list[fx.Node], list[Optional[int]], int]] = []
     for i, (x, d) in enumerate(zip(inputs, input_time_dims)):
         if d is None or x.op != "call_function" or full_time_dim(tl, facts, x) != d:
             continue
-        found = _recompute_from_leaves(tl, x, order)
-        if found is None:
+        got = _recompute_from_leaves(tl, facts, x, order, set(barred))
+        if got is None:
             continue
-        nodes, leaves = found
-        dims: list[Optional[int]] = []
-        for leaf in leaves:
-            info = tl.info.get(leaf.name)
-            if info is not None and info.time_dims:
-                ld = full_time_dim(tl, facts, leaf)
-                if ld is None:
-                    break
-                dims.append(ld)
-            else:
-                dims.append(None)
-        else:
-            if any(dd is not None for dd in dims):
-                out.append(InputRematPlan(i, tuple(nodes), tuple(leaves), tuple(dims)))
-    return out
+        nodes, leaves = got
+        dims = _leaf_dims(tl, facts, leaves)
+        if dims is None or all(dd is None for dd in dims):
+            continue
+        found.append((i, nodes, leaves, dims, path_halo(nodes, tl, facts)))
+    # keep the remats while the bytes the region keeps go down: its inputs, then their anchors
+    chosen: list[InputRematPlan] = []
+    kept_leaves: set[fx.Node] = set()
+    for i, nodes, leaves, dims, halo in sorted(found, key=lambda f: -tensor_bytes(value_of(inputs[f[0]]))):
+        new = [leaf for leaf, dd in zip(leaves, dims) if dd is not None and leaf.op == "call_function"
+               and leaf not in kept_leaves and leaf not in inputs]
+        if sum(tensor_bytes(value_of(leaf)) for leaf in new) >= tensor_bytes(value_of(inputs[i])):
+            continue
+        kept_leaves.update(new)
+        chosen.append(InputRematPlan(i, tuple(nodes), tuple(leaves), tuple(dims), halo))
+    return sorted(chosen, key=lambda r: r.index)

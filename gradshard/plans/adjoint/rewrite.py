@@ -138,7 +138,7 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
     for r in remats:
         x = plan.inputs[r.index]
         g = _subgraph(gm, list(r.leaves), list(r.nodes), [x], f"{name}_input{r.index}")
-        built.append((InputRemat(r.index, tuple(slot[leaf] for leaf in r.leaves), r.leaf_time_dims), g))
+        built.append((InputRemat(r.index, tuple(slot[leaf] for leaf in r.leaves), r.leaf_time_dims, r.halo), g))
     if remats:
         desc += "; recomputes input(s) " + ", ".join(plan.inputs[r.index].name for r in remats) + " from " + ", ".join(
             leaf.name for leaf in extra)
@@ -162,12 +162,16 @@ def _check_lengths(T: int, shard: int) -> list[int]:
     return sorted({S, T % S or S, max(1, S // 2)} - {T})
 
 
-def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, shard: int) -> list[InputRematPlan]:
-    """The remats of ``plan``'s inputs whose recomputation re-specialises to shard lengths."""
+def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, shard: int,
+                   barred: frozenset[fx.Node]) -> list[InputRematPlan]:
+    """The remats of ``plan``'s inputs whose recomputation re-specialises to shard lengths
+    (and to their windows, ``halo`` steps longer)."""
     out = []
-    for r in find_input_remats(gm, tl, facts, plan.inputs, plan.io.input_time_dims):
+    for r in find_input_remats(gm, tl, facts, plan.inputs, plan.io.input_time_dims, barred):
         g = _subgraph(gm, list(r.leaves), list(r.nodes), [plan.inputs[r.index]], "remat_check")
-        if _respecializes(lambda L: respecialize(g, facts, plan.io.captured_len, L), _check_lengths(plan.io.captured_len, shard)):
+        lengths = _check_lengths(plan.io.captured_len, shard)
+        lengths = sorted({*lengths, *(L + r.halo + sum(plan.io.halo) for L in lengths)} - {plan.io.captured_len})
+        if _respecializes(lambda L: respecialize(g, facts, plan.io.captured_len, L), lengths):
             out.append(r)
     return out
 
@@ -367,10 +371,11 @@ def _verified_tails(tails: list[TailPlan], mods: list[LocalSegment], values: dic
 
 
 def _tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set[fx.Node]], kept_anyway: set[fx.Node],
-           shard: int, excluded: set[fx.Node]) -> tuple[list[TailPlan], list[LocalSegment]]:
-    """The time-local segments worth recomputing, with their modules (those that re-specialise to shards)."""
+           shard: int, exported: set[fx.Node]) -> tuple[list[TailPlan], list[LocalSegment]]:
+    """The time-local segments worth recomputing, with their modules (those that re-specialise to
+    shards); ``exported``: values the region calls will read (outputs of the segment computing them)."""
     plans, mods = [], []
-    for tail in find_local_tails(gm, tl, facts, regions, kept_anyway, excluded):
+    for tail in find_local_tails(gm, tl, facts, regions, kept_anyway, exported):
         seg = build_tail_module(gm, tail, facts, f"tail_{len(mods)}", tl.seq_len, shard)
         lengths = _check_lengths(tl.seq_len, shard)
         if not _respecializes(seg.graph_for, sorted({*lengths, *(L + seg.halo for L in lengths)} - {tl.seq_len})):
@@ -478,14 +483,17 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         verify = False
         notes.append(f"self-check skipped: {bad} holds NaN/inf at this first call, so the sharded and "
                      "captured values cannot be compared (the rewrite itself does not depend on values)")
-    remats = [_usable_remats(new, tl, facts, plan, shard) for plan in plans]
     by_name = {n.name: n for n in new.graph.nodes}
     region_groups = [{*p.producers, *p.readout, *p.covered_nodes, *([p.final_select] if p.final_select else []),
                       by_name[p.site.h]} for p in plans]
+    in_regions = frozenset().union(*region_groups)
+    remats = [_usable_remats(new, tl, facts, plan, shard, in_regions) for plan in plans]
+    remat_leaves = {leaf for rm in remats for r in rm for leaf, d in zip(r.leaves, r.leaf_time_dims) if d is not None}
     kept_anyway = {x for p, rm in zip(plans, remats) for i, (x, d) in enumerate(zip(p.inputs, p.io.input_time_dims))
-                   if d is not None and i not in {r.index for r in rm}}
+                   if d is not None and i not in {r.index for r in rm}} | remat_leaves
     remat_nodes = {n for rm in remats for r in rm for n in r.nodes}
-    tails, tail_modules = _tails(new, tl, facts, region_groups, kept_anyway, shard, remat_nodes)
+    # a remat's nodes may run in a segment too (the forward value); its leaves leave the segment
+    tails, tail_modules = _tails(new, tl, facts, region_groups, kept_anyway, shard, remat_leaves)
     _refuse_random_recompute([*(n for g in region_groups for n in g), *remat_nodes, *(n for t in tails for n in t.nodes)])
     check_gm, check_len, values = new, tl.seq_len, {}
     if verify:

@@ -96,14 +96,16 @@ class InputRemat:
     """Region input ``index`` is recomputed (not saved) from some of the region's extra inputs.
 
     The extra inputs follow the region's own inputs in the call; ``leaf_slots`` are positions
-    among them (graph inputs, parameters, constants the caller keeps anyway) and
-    ``leaf_time_dims`` their time dims. The recomputation is pointwise in time, so a window
-    of the input is the recomputation on the same window of the leaves.
+    among them (graph inputs, parameters, constants, values the caller keeps anyway) and
+    ``leaf_time_dims`` their time dims. The recomputation reads ``halo`` steps before each
+    position (0: pointwise in time), so a window of the input is the recomputation on the
+    leaves from ``halo`` steps earlier, trimmed.
     """
 
     index: int
     leaf_slots: tuple[int, ...]
     leaf_time_dims: tuple[Optional[int], ...]
+    halo: int = 0
 
 
 # --------------------------------------------------------------------------- layout helpers
@@ -243,10 +245,12 @@ class AdjointRegion(nn.Module):
     def remat_window(self, index: int, extras: Sequence[Tensor], ws: int, we: int) -> Tensor:
         """Window ``[ws, we)`` of region input ``index``, recomputed from the extra inputs (no grad)."""
         r = self.remats[index]
-        leaves = [_narrow(extras[j], d, ws, we - ws) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
+        start = max(0, ws - r.halo)
+        leaves = [_narrow(extras[j], d, start, we - start) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
         with torch.no_grad():
-            out = self.runner(f"input{index}", we - ws)(*leaves)
-        return (out[0] if isinstance(out, (tuple, list)) else out).detach()
+            out = self.runner(f"input{index}", we - start)(*leaves)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out.narrow(self.io.input_time_dims[index], ws - start, we - ws).detach()
 
     # ---------------------------------------------------------------- per-shard pieces
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from gradshard.plans.adjoint.tail import _boundary, _is_free, _kept_bytes, _timed, halo_in_time
+from gradshard.plans.adjoint.time_local import boundary, halo_in_time, is_free, kept_bytes, timed
 
 __all__ = ["MAX_CHAIN", "rematerialize_segment_inputs"]
 
@@ -36,7 +36,7 @@ def _chain(x: fx.Node, stop: set[fx.Node], barred: set[fx.Node], tl: Any, facts:
     stack = [x]
     while stack:
         n = stack.pop()
-        if n in nodes or n in stop or n.op in ("placeholder", "get_attr") or not _timed(tl, n):
+        if n in nodes or n in stop or n.op in ("placeholder", "get_attr") or not timed(tl, n):
             continue
         if n in barred or n.op != "call_function" or halo_in_time(tl, facts, n) != 0:
             return None
@@ -69,19 +69,19 @@ def rematerialize_segment_inputs(gm: fx.GraphModule, tl: Any, facts: dict, piece
     (see module doc). Changes ``gm``'s graph (and ``tl.info``/``facts`` for the copies)."""
     piece = set(piece)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    inputs = sorted(_boundary(piece)[0], key=order.get)
+    inputs = sorted(boundary(piece)[0], key=order.get)
     for x in inputs:
-        if x.op != "call_function" or _is_free(x, free) or not _timed(tl, x):
+        if x.op != "call_function" or is_free(x, free) or not timed(tl, x):
             continue
-        current = _boundary(piece)[0]
+        current = boundary(piece)[0]
         chain = _chain(x, set(current) - {x} | free, barred, tl, facts)
         if not chain:
             continue
         readers = sorted((u for u in x.users if u in piece), key=order.get)
-        new_inputs = _boundary(piece | chain)[0]  # x is the chain's last node: no longer an input
-        if _kept_bytes(new_inputs, free) >= _kept_bytes(current, free):
+        new_inputs = boundary(piece | chain)[0]  # x is the chain's last node: no longer an input
+        if kept_bytes(new_inputs, free) >= kept_bytes(current, free):
             continue
-        if any(order[a] >= order[readers[0]] for a in _boundary(chain)[0]):
+        if any(order[a] >= order[readers[0]] for a in boundary(chain)[0]):
             continue  # the copy would read a value computed after the segment starts reading x
         piece |= set(_copy_chain(gm, sorted(chain, key=order.get), x, readers, tl, facts))
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
