@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 
 from gradshard.plans.adjoint.time_local import boundary, halo_in_time, is_free, kept_bytes, timed
@@ -29,14 +30,23 @@ __all__ = ["MAX_CHAIN", "rematerialize_segment_inputs"]
 MAX_CHAIN = 16  # a longer producer chain is not a cheap recomputation
 
 
+def _bits(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return torch.finfo(v.dtype).bits if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else 0
+
+
 def _chain(x: fx.Node, stop: set[fx.Node], barred: set[fx.Node], tl: Any, facts: dict) -> Optional[set[fx.Node]]:
     """The nodes computing ``x`` back to ``stop``, values without time, and graph inputs;
-    ``None`` if one of them cannot be recomputed per shard or the chain is too long."""
+    ``None`` if one of them cannot be recomputed per shard, the chain is too long, or it computes
+    in less precision than it reads (a float32 island in a float64 model: the copy's backward
+    would round that island's gradient separately from the original's)."""
     nodes: set[fx.Node] = set()
+    read = 0  # the most precise value the chain reads (parameters included)
     stack = [x]
     while stack:
         n = stack.pop()
         if n in nodes or n in stop or n.op in ("placeholder", "get_attr") or not timed(tl, n):
+            read = max(read, _bits(n))
             continue
         if n in barred or n.op != "call_function" or halo_in_time(tl, facts, n) != 0:
             return None
@@ -44,6 +54,8 @@ def _chain(x: fx.Node, stop: set[fx.Node], barred: set[fx.Node], tl: Any, facts:
         if len(nodes) > MAX_CHAIN:
             return None
         stack += n.all_input_nodes
+    if any(0 < _bits(n) < read for n in nodes):
+        return None
     return nodes
 
 
