@@ -71,6 +71,8 @@ def _recompute_from_leaves(tl: Any, facts: dict, x: fx.Node, order: dict[fx.Node
             continue
         anchor = n is not x and isinstance(value_of(n), torch.Tensor) and any(u not in up for u in n.users)
         if n.op in ("placeholder", "get_attr") or not timed(tl, n) or anchor:
+            if n in barred:
+                return None  # a value inside a region (replaced by its call) is no leaf to pass
             leaves[n] = None
             continue
         if n in barred or halo_in_time(tl, facts, n) is None:
