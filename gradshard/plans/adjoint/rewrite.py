@@ -91,7 +91,11 @@ def _subgraph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
     return gm
 
 
-def _costs(plan: RegionPlan, T: int, shard: int, remat: frozenset[int] = frozenset()) -> dict[str, int]:
+def _costs(plan: RegionPlan, T: int, shard: int, remat: frozenset[int] = frozenset(),
+           anchors: tuple[fx.Node, ...] = ()) -> dict[str, int]:
+    """The region's cost facts; its saved bytes are the inputs it keeps (not ``remat``), the
+    ``anchors`` its remats read (computed values: segments count them as kept by the region),
+    and the state checkpoints."""
     prod = [node_cost(n) for n in plan.producers if n.op == "call_function"]
     ro = [node_cost(n) for n in plan.readout]
     u_val = plan.producer_outputs[1].meta["val"]
@@ -103,6 +107,8 @@ def _costs(plan: RegionPlan, T: int, shard: int, remat: frozenset[int] = frozens
     saved = sum(x.meta["val"].numel() * x.meta["val"].element_size()
                 for i, (x, d) in enumerate(zip(plan.inputs, plan.io.input_time_dims))
                 if d is not None and i not in remat and isinstance(x.meta.get("val"), torch.Tensor))
+    saved += sum(a.meta["val"].numel() * a.meta["val"].element_size() for a in anchors
+                 if isinstance(a.meta.get("val"), torch.Tensor) and a not in plan.inputs)
     n_ckpt = max(0, -(-T // max(shard, 1)) - 1)
     saved += n_ckpt * state_bytes // max(T, 1)
     return {
@@ -142,7 +148,9 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
     if remats:
         desc += "; recomputes input(s) " + ", ".join(plan.inputs[r.index].name for r in remats) + " from " + ", ".join(
             leaf.name for leaf in extra)
-    costs = _costs(plan, plan.io.captured_len, shard_size, frozenset(r.index for r in remats))
+    anchors = tuple(leaf for r in remats for leaf, d in zip(r.leaves, r.leaf_time_dims)
+                    if d is not None and leaf.op == "call_function")
+    costs = _costs(plan, plan.io.captured_len, shard_size, frozenset(r.index for r in remats), tuple(dict.fromkeys(anchors)))
     return AdjointRegion(name, producer, readout, facts, plan.scan, plan.io, plan=plan_name, shard_size=shard_size,
                          window=window, describe=desc, costs=costs, remats=built, n_extra=len(extra))
 
