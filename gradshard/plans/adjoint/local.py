@@ -19,11 +19,12 @@ in time, so the backward can recompute it one shard at a time from its inputs.
 Every time-carrying input and output has one time dim of full length. With a ``halo`` (a
 causal ``conv1d`` inside: position ``t`` reads ``t - halo .. t``) each shard ``[s, e)`` runs on
 the inputs' rows ``[s - halo, e)`` and keeps its outputs' last ``e - s`` rows; the backward
-adds the window's input gradients into those rows (overlapping windows add up). An output may instead be a reduction over time (the
-loss; its time dim is ``None``): the graph returns its per-shard numerator and, appended to
-the outputs, its denominator (:mod:`gradshard.plans.adjoint.reductions`); the forward sums
-both over shards and divides once, the backward hands each shard's numerator the output
-gradient over the total denominator. Exact up to the order of the sum.
+adds the window's input gradients into those rows (overlapping windows add up). An output
+may instead be a reduction over time (the loss; its time dim is ``None``): the graph returns
+its per-shard numerator and, appended to the outputs, its denominator
+(:mod:`gradshard.plans.adjoint.reductions`); the forward sums both over shards and divides
+once, the backward hands each shard's numerator the output gradient over the total
+denominator. Exact up to the order of the sum.
 """
 
 from __future__ import annotations

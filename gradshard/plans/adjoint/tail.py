@@ -13,7 +13,7 @@ regions are installed:
 
 1. candidates: ``call_function`` nodes outside the regions, carry one time dim,
    read position ``t`` only (own reach ``[0, 0]``, or a split beside time) or a causal
-   window of at most :data:`MAX_HALO` positions before it (``conv1d``, and the slice cutting
+   window of at most ``time_local.MAX_HALO`` positions before it (``conv1d``, and the slice cutting
    its output back to full length), read at least one time-carrying value, and are neither
    random, in place, nor position-sensitive (``cat``/``slice``/``index``/...). Shards are
    positions, not absolute steps: a value whose position 0 holds step 1 (next-token targets,
@@ -27,11 +27,14 @@ regions are installed:
    ``cross_entropy``; :mod:`gradshard.plans.adjoint.reductions`), read outside only;
 4. peeling: a node whose inputs all lie outside is moved out while that does not raise the
    bytes the segment must keep (so ``y + out`` stays outside when ``y`` is kept anyway);
-5. benefit: a connected piece is kept only if plain autograd would save more bytes for it
+5. recomputed inputs: in a piece worth running as a segment, an input a cheap chain computes
+   from the piece's other inputs is copied into it (:mod:`gradshard.plans.adjoint.tail_remat`);
+6. benefit: a connected piece is kept only if plain autograd would save more bytes for it
    (replayed on meta tensors with saved-tensor hooks) than the segment keeps.
 
 Bytes kept for free: graph inputs, parameters and constants, and values the caller says are
-kept anyway (the time-carrying inputs a region saves).
+kept anyway (the time-carrying inputs a region saves, the anchors its input remats read).
+Which nodes can run on a window of time: :mod:`gradshard.plans.adjoint.time_local`.
 """
 
 from __future__ import annotations
