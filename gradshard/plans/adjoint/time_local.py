@@ -145,6 +145,9 @@ def halo_in_time(tl: Any, facts: dict, n: fx.Node) -> Optional[int]:
     lo, hi = info.local.lo, info.local.hi
     if hi > 0 or not -MAX_HALO <= lo <= 0 or lo != int(lo):
         return None
+    got = time_dim_fact(tl, facts, n)
+    if got is None or got[1].kind != "shift":  # a strided window (T/2 positions) is no window of positions
+        return None
     return int(-lo)
 
 
