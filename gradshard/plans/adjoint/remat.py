@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.analysis.node_costs import tensor_bytes
+from gradshard.pipeline import ancestors
 from gradshard.plans.adjoint.time_local import full_time_dim, halo_in_time, path_halo, timed, value_of
 
 __all__ = ["InputRematPlan", "find_input_remats", "MAX_REMAT_NODES"]
@@ -45,23 +46,11 @@ class InputRematPlan:
     halo: int = 0
 
 
-def _leads_to(x: fx.Node) -> set[fx.Node]:
-    """``x`` and its ancestors."""
-    seen: set[fx.Node] = set()
-    stack = [x]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return seen
-
-
 def _recompute_from_leaves(tl: Any, facts: dict, x: fx.Node, order: dict[fx.Node, int],
                            barred: set[fx.Node]) -> Optional[tuple[list[fx.Node], list[fx.Node]]]:
     """The nodes computing ``x`` from graph inputs, values without time and anchors (a tensor
     some reader of which does not lead to ``x``), each recomputable on a window of time."""
-    up = _leads_to(x)
+    up = ancestors([x])
     nodes: set[fx.Node] = set()
     leaves: dict[fx.Node, None] = {}
     stack = [x]

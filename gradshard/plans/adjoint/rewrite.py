@@ -165,9 +165,12 @@ def _respecializes(fn: Any, lengths: list[int]) -> bool:
     return True
 
 
-def _check_lengths(T: int, shard: int) -> list[int]:
+def _check_lengths(T: int, shard: int, halo: int = 0) -> list[int]:
+    """The shard lengths a graph captured at ``T`` must re-specialise to, and with a ``halo``
+    their windows (``halo`` steps longer)."""
     S = max(1, min(shard, T))
-    return sorted({S, T % S or S, max(1, S // 2)} - {T})
+    lengths = {S, T % S or S, max(1, S // 2)}
+    return sorted((lengths | {L + halo for L in lengths}) - {T})
 
 
 def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, shard: int,
@@ -177,8 +180,7 @@ def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, s
     out = []
     for r in find_input_remats(gm, tl, facts, plan.inputs, plan.io.input_time_dims, barred):
         g = _subgraph(gm, list(r.leaves), list(r.nodes), [plan.inputs[r.index]], "remat_check")
-        lengths = _check_lengths(plan.io.captured_len, shard)
-        lengths = sorted({*lengths, *(L + r.halo + sum(plan.io.halo) for L in lengths)} - {plan.io.captured_len})
+        lengths = _check_lengths(plan.io.captured_len, shard, r.halo + sum(plan.io.halo))
         if _respecializes(lambda L: respecialize(g, facts, plan.io.captured_len, L), lengths):
             out.append(r)
     return out
@@ -385,8 +387,7 @@ def _tails(gm: fx.GraphModule, tl: Any, facts: dict, regions: list[set[fx.Node]]
     plans, mods = [], []
     for tail in find_local_tails(gm, tl, facts, regions, kept_anyway, exported):
         seg = build_tail_module(gm, tail, facts, f"tail_{len(mods)}", tl.seq_len, shard)
-        lengths = _check_lengths(tl.seq_len, shard)
-        if not _respecializes(seg.graph_for, sorted({*lengths, *(L + seg.halo for L in lengths)} - {tl.seq_len})):
+        if not _respecializes(seg.graph_for, _check_lengths(tl.seq_len, shard, seg.halo)):
             continue
         plans.append(tail)
         mods.append(seg)

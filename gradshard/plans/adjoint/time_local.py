@@ -182,6 +182,8 @@ def reduces_over_time(tl: Any, facts: dict, n: fx.Node) -> bool:
 
 
 def boundary(nodes: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """``(inputs, outputs)`` of a node set: values it reads from outside (first-read order),
+    and its nodes read outside."""
     order = {}
     for n in nodes:
         for a in n.all_input_nodes:
@@ -192,8 +194,10 @@ def boundary(nodes: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
 
 
 def kept_bytes(inputs: Iterable[fx.Node], free: set[fx.Node]) -> int:
+    """Bytes of ``inputs`` a segment keeps itself (the free ones are kept by someone else)."""
     return sum(tensor_bytes(value_of(x)) for x in inputs if not is_free(x, free))
 
 
 def is_free(x: fx.Node, free: set[fx.Node]) -> bool:
+    """Whether ``x`` is kept anyway: a graph input, parameter, constant, or in ``free``."""
     return x.op in ("placeholder", "get_attr") or x in free
