@@ -324,6 +324,35 @@ def _scan_kernel_name(kind: str, backend: Optional[str]) -> str:
     return f"{backend or 'auto'}:linear_scan"
 
 
+# --------------------------------------------------------------------------- backward pieces
+
+
+def _readout_grads(region: AdjointRegion, hc: Tensor, r_leaves: Sequence[Any], dys: Sequence[Optional[Tensor]],
+                   start: int, final: Optional[Tensor]) -> tuple[Tensor, list[Optional[Tensor]]]:
+    """``dL/dh`` (canonical) for states ``hc`` of steps ``[start, start + len)`` from the readout's VJP
+    with the incoming ``dys``, plus ``final`` (the final state's gradient) at the last step; and the
+    gradients of the readout's producer values ``r_leaves`` (None where not needed)."""
+    sp, io = region.scan, region.io
+    h_leaf = region.h_for_readout(hc).detach().requires_grad_(True)
+    with torch.enable_grad():
+        ys = region.run_readout(h_leaf, r_leaves)
+    n = int(hc.shape[1])
+    pairs = [(y, _narrow(dy, td, start, n)) for y, dy, td in zip(ys, dys, io.output_time_dims)
+             if dy is not None and y.requires_grad]
+    wanted = [i for i, r in enumerate(r_leaves) if isinstance(r, Tensor) and r.requires_grad]
+    wrt = [h_leaf, *(r_leaves[i] for i in wanted)]
+    got = (torch.autograd.grad([p[0] for p in pairs], wrt, [p[1] for p in pairs], allow_unused=True)
+           if pairs else [None] * len(wrt))
+    gc = _canon(got[0] if got[0] is not None else torch.zeros_like(h_leaf), sp.time_dim, sp.rank)
+    if final is not None and n:
+        gc = gc.clone()
+        gc[:, -1] += _state_canon(final, sp.rank).to(gc.dtype)
+    d_r: list[Optional[Tensor]] = [None] * len(r_leaves)
+    for i, g in zip(wanted, got[1:]):
+        d_r[i] = g
+    return gc, d_r
+
+
 # --------------------------------------------------------------------------- the Function
 
 
@@ -415,26 +444,11 @@ class AdjointFunction(torch.autograd.Function):
             ac, uc = region.canon_au(a, u)
             acd = None if ac is None else ac.detach()
             ucd = uc.detach()
-            with torch.no_grad():
-                hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
-            h_leaf = region.h_for_readout(hc).detach().requires_grad_(True)
             r_leaves = [r.detach().requires_grad_(r.requires_grad) if isinstance(r, Tensor) and r.dtype.is_floating_point else r
                         for r in rs]
-            with torch.enable_grad():
-                ys = region.run_readout(h_leaf, r_leaves)
-            pairs = [(y, _narrow(dy, td, s, e - s)) for y, dy, td in zip(ys, dys, io.output_time_dims)
-                     if dy is not None and y.requires_grad]
-            wrt = [h_leaf] + [r for r in r_leaves if isinstance(r, Tensor) and r.requires_grad]
-            if pairs:
-                got = torch.autograd.grad([p[0] for p in pairs], wrt, [p[1] for p in pairs], allow_unused=True)
-            else:
-                got = [None] * len(wrt)
-            g = got[0] if got[0] is not None else torch.zeros_like(h_leaf)
-            d_r = dict(zip([id(r) for r in wrt[1:]], got[1:]))
-            gc = _canon(g, sp.time_dim, sp.rank)
-            if d_final is not None and k == len(shards) - 1 and gc.shape[1]:
-                gc = gc.clone()
-                gc[:, -1] += _state_canon(d_final, sp.rank).to(gc.dtype)
+            with torch.no_grad():
+                hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
+            gc, d_r = _readout_grads(region, hc, r_leaves, dys, s, d_final if k == len(shards) - 1 else None)
             if sweep is None:
                 da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
                 carry = dh_start
@@ -453,8 +467,7 @@ class AdjointFunction(torch.autograd.Function):
             if k == 0 and h0 is not None and h0.requires_grad:
                 outs_v.append(h0)
                 grads_v.append(_state_uncanon(dh_start, sp.rank).reshape(h0.shape).to(h0.dtype))
-            for r_orig, r_leaf in zip(rs, r_leaves):
-                dr = d_r.get(id(r_leaf))
+            for r_orig, dr in zip(rs, d_r):
                 if dr is not None and isinstance(r_orig, Tensor) and r_orig.requires_grad:
                     outs_v.append(r_orig)
                     grads_v.append(dr)
@@ -466,5 +479,5 @@ class AdjointFunction(torch.autograd.Function):
                     if gv is not None:
                         add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
                                        lambda i=i: _zeros_like_input(inputs[i], ctx.remat_like.get(i)))
-            del outs, prod, a, u, rs, ys, got, outs_v, grads_v
+            del outs, prod, a, u, rs, hc, gc, outs_v, grads_v
         return (None, *grads_in, *([None] * ctx.n_extra))
