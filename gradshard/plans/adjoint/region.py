@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.analysis.node_costs import tensor_bytes
 from gradshard.errors import node_error
 from gradshard.plans.adjoint.runtime import RegionIO, ScanSpec
 
@@ -41,6 +42,10 @@ from gradshard.passes.recurrence_graph import live_users
 aten = torch.ops.aten
 
 __all__ = ["RegionPlan", "extract_region"]
+
+#: nodes after a readout considered for taking into the region (a Mamba block's gate, norm and
+#: out_proj are ~15)
+MAX_READOUT_EXTENSION = 48
 
 _INSTEAD = "use plan='seco' (chunked recomputation of the whole model) or per-layer torch.utils.checkpoint"
 
@@ -280,6 +285,75 @@ class _Extractor:
                 open_set.add(n)
         return R, final
 
+    def readout_extension(self, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node],
+                          base: set[fx.Node]) -> list[fx.Node]:
+        """Pointwise-in-time nodes after the readout that the region takes in as well, when the
+        layer then crosses its boundary in fewer bytes per step.
+
+        A readout ends where the state dims are contracted, but the layer often goes on,
+        position by position, to something narrower: Mamba's ``y + D x``, gate ``y * silu(z)``,
+        norm and ``out_proj`` map ``heads x head_dim`` channels to the model width. Left outside,
+        the contracted readout is a region output the next segment keeps for its backward (and
+        ``z``, ``x`` are region inputs); taken in, each backward shard recomputes them from the
+        region's inputs. Candidates are taken in graph order (each prefix is closed under
+        inputs); the prefix whose region inputs and outputs carry the fewest bytes per step is
+        kept, the shortest on a tie, none unless it is strictly fewer.
+        """
+        desc = self.descendants(self.h)
+        inside = set(base) | set(R) | ({final} if final is not None else set())
+        cands: list[fx.Node] = []
+        for n in self.gm.graph.nodes:
+            if len(cands) >= MAX_READOUT_EXTENSION:
+                break
+            if self.order[n] <= self.order[self.h] or n in inside or n not in self.live:
+                continue
+            if n.op != "call_function" or n in self.claimed or not any(a in inside for a in n.all_input_nodes):
+                continue
+            info = self.tl.info.get(n.name)
+            local = info.local if info is not None else None
+            if info is None or not info.time_dims or local is None or not local.is_pointwise:
+                continue
+            if any(a in desc and a not in inside for a in n.all_input_nodes):
+                continue  # combines with another value computed from the state
+            cands.append(n)
+            inside.add(n)
+        if not cands:
+            return []
+        costs = [self.boundary_bytes(R + cands[:k], final, scan_seeds, base) for k in range(len(cands) + 1)]
+        best = min(range(len(costs)), key=lambda k: (costs[k], k))
+        return cands[:best] if costs[best] < costs[0] else []
+
+    def boundary_bytes(self, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node],
+                       base: set[fx.Node]) -> float:
+        """Bytes the region with readout ``R`` reads and writes per time step (its time-carrying
+        inputs and outputs); infinite where an output has no plain time axis."""
+        region = base | set(R) | ({final} if final is not None else set())
+        rset = set(R)
+        extra = list(dict.fromkeys(a for n in R for a in n.all_input_nodes
+                                   if a not in rset and a is not self.h and a.op != "get_attr"))
+        seeds = scan_seeds + extra
+        P = self.producer_closure(seeds, region)
+        members = P | region
+        inputs = self.inputs_of(members - ({final} if final else set()), members, seeds)
+        exits = [n for n in [self.h, *R] if any(u not in members for u in live_users(n, self.live))]
+        if not exits:
+            return math.inf
+        T = max(1, self.tl.seq_len)
+        total = 0.0
+        for n in exits:
+            info = self.tl.info.get(n.name)
+            if info is None or len(info.time_dims) != 1 or _val(n) is None:
+                return math.inf
+            d = info.time_dims[0]
+            f = self.facts.get(n.name, ())
+            if d >= len(f) or f[d] is None or f[d].kind != "shift":
+                return math.inf
+            total += tensor_bytes(_val(n)) / T
+        for x in inputs:
+            if self.timed(x) and _val(x) is not None:
+                total += tensor_bytes(_val(x)) / T
+        return total
+
     def descendants(self, root: fx.Node) -> set[fx.Node]:
         out: set[fx.Node] = set()
         stack = [root]
@@ -439,6 +513,7 @@ class _Extractor:
         pre_inputs = self.inputs_of(pre | base_region, pre | base_region, scan_seeds)
         state = self.state_classes(pre_inputs)
         R, final = self.readout_closure(state)
+        R = R + self.readout_extension(R, final, scan_seeds, base_region)
         readout_set = set(R)
         extra: list[fx.Node] = []
         for n in R:

@@ -538,7 +538,8 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             outside_users += list(plan.final_select.users)
         first = min(outside_users, key=order.get) if outside_users else next(iter(new.graph.find_nodes(op="output")))
         with new.graph.inserting_before(first):
-            call = new.graph.call_module(name, tuple(plan.inputs) + tuple(_remat_leaves(remats[i])))
+            args = [*plan.inputs, *_remat_leaves(remats[i])]  # an earlier region's output is its call's getitem now
+            call = new.graph.call_module(name, tuple(replaced.get(x, x) for x in args))
             call.meta["stack_trace"] = plan.exits[0].meta.get("stack_trace") if plan.exits else None
             call.meta["gs_region"] = name
             outs = []

@@ -455,6 +455,7 @@ class AdjointFunction(torch.autograd.Function):
             else:
                 lam = sweep.shard(s, acd, gc)
                 da, du, dh_start = region.rec.grads_from_lam(acd, hc, h_start_d, lam)
+            del hc, gc  # the shard's states: not needed by the VJP below
             # one VJP through this shard's producers (parameters and window inputs)
             outs_v: list[Tensor] = []
             grads_v: list[Tensor] = []
@@ -479,5 +480,5 @@ class AdjointFunction(torch.autograd.Function):
                     if gv is not None:
                         add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
                                        lambda i=i: _zeros_like_input(inputs[i], ctx.remat_like.get(i)))
-            del outs, prod, a, u, rs, hc, gc, outs_v, grads_v
+            del outs, prod, a, u, rs, outs_v, grads_v
         return (None, *grads_in, *([None] * ctx.n_extra))

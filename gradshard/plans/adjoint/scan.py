@@ -36,6 +36,34 @@ __all__ = [
 # --------------------------------------------------------------------------- recurrence kinds
 
 
+def _sum_of_products(lam: Tensor, h: Tensor, h0: Optional[Tensor], shape: tuple[int, ...]) -> Tensor:
+    """``sum_to_size(lam_t * h_{t-1}, shape)`` with ``h_{-1} = h0`` (``None``: zeros).
+
+    A coefficient shared over state dims (a scalar per head) gets its gradient as a contraction
+    (``einsum``: batched dot products), so no product as large as the states is materialised.
+    """
+    L = lam.shape[1]
+    reduced = [i for i in range(2, lam.dim()) if shape[i] == 1 and lam.shape[i] != 1]
+    if reduced and shape[1] == L and L:
+        dims = "abcdefghijklmnopqrstuvwxyz"[:lam.dim()]
+        spec = f"{dims},{dims}->" + "".join(c for i, c in enumerate(dims) if i not in reduced)
+        rest = torch.einsum(spec, lam[:, 1:], h[:, :-1])
+        first = (rest.new_zeros((rest.shape[0], 1, *rest.shape[2:])) if h0 is None
+                 else torch.einsum(spec, lam[:, :1], h0.unsqueeze(1).to(lam.dtype)))
+        return torch.cat([first, rest], 1).reshape([1 if i in reduced else n for i, n in enumerate(lam.shape)]
+                                                  ).sum_to_size(shape)
+    prod = torch.empty_like(lam)
+    if L > 1:
+        torch.mul(lam[:, 1:], h[:, :-1], out=prod[:, 1:])
+    if L:
+        if h0 is None:
+            prod[:, 0].zero_()
+        else:
+            torch.mul(lam[:, 0], h0.to(lam.dtype), out=prod[:, 0])
+    return prod.sum_to_size(shape)
+
+
+
 @dataclass(frozen=True)
 class DiagonalRecurrence:
     """``h_t = a_t * h_{t-1} + u_t`` (``a`` broadcast to ``u``; ``None`` means 1)."""
@@ -75,17 +103,7 @@ class DiagonalRecurrence:
     def grads_from_lam(self, a: Optional[Tensor], h: Tensor, h0: Optional[Tensor], lam: Tensor,
                        ) -> tuple[Optional[Tensor], Tensor, Tensor]:
         """``(grad_a, grad_u, grad_h0)`` for a given adjoint ``lam`` (no copy of ``h`` shifted)."""
-        da = None
-        if a is not None:
-            prod = torch.empty_like(lam)
-            if lam.shape[1] > 1:
-                torch.mul(lam[:, 1:], h[:, :-1], out=prod[:, 1:])
-            if lam.shape[1]:
-                if h0 is None:
-                    prod[:, 0].zero_()
-                else:
-                    torch.mul(lam[:, 0], h0.to(lam.dtype), out=prod[:, 0])
-            da = prod.sum_to_size(a.shape).to(a.dtype)
+        da = None if a is None else _sum_of_products(lam, h, h0, tuple(a.shape)).to(a.dtype)
         a0 = self.coeff(a, lam)
         dh0 = (a0[:, 0] * lam[:, 0]).sum_to_size(lam[:, 0].shape) if lam.shape[1] else torch.zeros_like(h[:, 0])
         return da, lam, dh0
