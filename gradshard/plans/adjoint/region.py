@@ -7,6 +7,9 @@ Given a :class:`~gradshard.passes.detect_recurrence.ScanSite` (``a``, ``u``, ``h
   that the layer input does not have, e.g. Mamba's ``N``), or whose time dim is merged with
   another dim; the op that contracts the last state dim (``einsum(c, h)``) is the exit.
   ``h[:, -1]`` (the final state) becomes an extra region output.
+  Past the contraction the readout may go on through pointwise-in-time nodes (Mamba's
+  ``y + D x``, gate, norm, ``out_proj``) where the region then reads and writes fewer bytes per
+  step: the contracted ``y`` is no longer an output some other segment keeps.
 * **producers** -- walking back from ``a``, ``u``, ``h0`` and the readout's other inputs,
   every node whose (live) users are all in the region and that is time-local; where the walk
   stops are the region inputs (the residual stream, parameters). A constant built in the
@@ -77,6 +80,8 @@ class RegionPlan:
     scan: ScanSpec
     io: RegionIO
     notes: list[str] = field(default_factory=list)
+    #: nodes after the contracting readout taken into the region (:meth:`_Extractor.readout_extension`)
+    extended: int = 0
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -135,8 +140,9 @@ def _merged_time(tl: Any, n: fx.Node, d: int) -> Optional[tuple[int, int]]:
 
 class _Extractor:
     def __init__(self, gm: fx.GraphModule, tl: Any, facts: dict, site: ScanSite, live: set[fx.Node],
-                 claimed: set[fx.Node]) -> None:
+                 claimed: set[fx.Node], extend: bool = True) -> None:
         self.gm, self.tl, self.facts, self.site, self.live, self.claimed = gm, tl, facts, site, live, claimed
+        self.extend = extend
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.h = self.nodes[site.h]
@@ -513,7 +519,8 @@ class _Extractor:
         pre_inputs = self.inputs_of(pre | base_region, pre | base_region, scan_seeds)
         state = self.state_classes(pre_inputs)
         R, final = self.readout_closure(state)
-        R = R + self.readout_extension(R, final, scan_seeds, base_region)
+        taken = self.readout_extension(R, final, scan_seeds, base_region) if self.extend else []
+        R = R + taken
         readout_set = set(R)
         extra: list[fx.Node] = []
         for n in R:
@@ -570,7 +577,7 @@ class _Extractor:
             raise node_error(self.h, "no region input carries the time axis", _INSTEAD)
         io = RegionIO(in_td, prod_td, out_td, final is not None, (lh, rh), T, tuple(merged))
         scan = ScanSpec(site.kind, self.a is not None, self.h0 is not None, td, rank)
-        plan = RegionPlan(site, P_list, R, inputs, prod_out, exits, final, scan, io)
+        plan = RegionPlan(site, P_list, R, inputs, prod_out, exits, final, scan, io, extended=len(taken))
         plan.covered_nodes = sorted(self.covered, key=self.order.get)
         return plan
 
@@ -591,6 +598,7 @@ class _Extractor:
 
 
 def extract_region(gm: fx.GraphModule, tl: Any, facts: dict, site: ScanSite, live: set[fx.Node],
-                   claimed: set[fx.Node]) -> RegionPlan:
-    """Cut the region of ``site`` out of ``gm`` (pure; see the module doc)."""
-    return _Extractor(gm, tl, facts, site, live, claimed).run()
+                   claimed: set[fx.Node], extend: bool = True) -> RegionPlan:
+    """Cut the region of ``site`` out of ``gm`` (pure; see the module doc); ``extend``: take in the
+    pointwise nodes after the readout where that narrows the region's boundary."""
+    return _Extractor(gm, tl, facts, site, live, claimed, extend).run()

@@ -138,6 +138,8 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
     lh, rh = plan.io.halo
     desc = (f"{plan.scan.kind} recurrence written as {plan.site.written_as}; {len(plan.producers)} producer nodes "
             f"(halo {lh}/{rh}), {len(plan.readout)} readout nodes")
+    if plan.extended:
+        desc += f" ({plan.extended} past the contraction, to {', '.join(x.name for x in plan.exits)})"
     extra = _remat_leaves(remats)
     slot = {leaf: j for j, leaf in enumerate(extra)}
     built = []
@@ -171,6 +173,18 @@ def _check_lengths(T: int, shard: int, halo: int = 0) -> list[int]:
     S = max(1, min(shard, T))
     lengths = {S, T % S or S, max(1, S // 2)}
     return sorted((lengths | {L + halo for L in lengths}) - {T})
+
+
+def _region_respecializes(gm: fx.GraphModule, plan: RegionPlan, facts: dict, shard: int) -> bool:
+    """Whether ``plan``'s producer and readout graphs re-specialise to its shard lengths and to the
+    self-check's (a third of the captured length), with their halo windows."""
+    T = plan.io.captured_len
+    halo = sum(plan.io.halo)
+    lengths = sorted(set(_check_lengths(T, shard, halo)) | set(_check_lengths(T, max(1, -(-T // 3)), halo)))
+    h = next(n for n in gm.graph.nodes if n.name == plan.site.h)
+    graphs = (_subgraph(gm, plan.inputs, plan.producers, plan.producer_outputs, "producer_check"),
+              _subgraph(gm, [h, *plan.producer_outputs[3:]], plan.readout, plan.exits, "readout_check"))
+    return all(_respecializes(lambda L, g=g: respecialize(g, facts, T, L), lengths) for g in graphs)
 
 
 def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, shard: int,
@@ -481,11 +495,15 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     facts = time_facts(new, tl)
     claimed: set[fx.Node] = set()
     plans: list[RegionPlan] = []
+    notes: list[str] = []
     for site in sites:
         plan = extract_region(new, tl, facts, site, live, claimed)
+        if plan.extended and not _region_respecializes(new, plan, facts, shard):
+            notes.append(f"{plan.exits[0].name if plan.exits else site.h}: the {plan.extended} node(s) after the "
+                         "readout stay outside the region (they do not re-specialise to shard lengths)")
+            plan = extract_region(new, tl, facts, site, live, claimed, extend=False)
         claimed.update(plan.producers, plan.readout, plan.covered_nodes)
         plans.append(plan)
-    notes: list[str] = []
     verify = bool(ctx.example_inputs)
     bad = _non_finite_input(new, ctx.example_inputs) if verify else None
     if bad is not None:
