@@ -69,7 +69,13 @@ def test_torch_compile_backend_compiles_segments_with_inductor() -> None:
     ref(ids).square().mean().backward()
     (entry,) = be.compiled
     c = entry.extras["inductor"]
-    assert c.compiled_segments and c.compiled_variants == len(c.compiled_segments)
-    assert any(s.kind == "region" for s in c.segments)
+    # the region takes the whole layer (embedding to residual add) and a segment the norm and head:
+    # what Inductor compiles is their per-shard graphs, and any segment left between them
+    assert c.compiled_variants == len(c.compiled_segments)
+    regions = [s for s in c.segments if s.kind == "region"]
+    assert regions
+    by_name = {n.name: n for n in c.source.graph.nodes}
+    for s in regions:
+        assert c.source.get_submodule(str(by_name[s.nodes[0]].target)).graphs.compiled_variants > 0, s.name
     for p, q in zip(model.parameters(), ref.parameters()):
         assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= TOL
