@@ -63,7 +63,6 @@ def _sum_of_products(lam: Tensor, h: Tensor, h0: Optional[Tensor], shape: tuple[
     return prod.sum_to_size(shape)
 
 
-
 @dataclass(frozen=True)
 class DiagonalRecurrence:
     """``h_t = a_t * h_{t-1} + u_t`` (``a`` broadcast to ``u``; ``None`` means 1)."""
