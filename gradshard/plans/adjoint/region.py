@@ -329,19 +329,27 @@ class _Extractor:
         best = min(range(len(costs)), key=lambda k: (costs[k], k))
         return cands[:best] if costs[best] < costs[0] else []
 
-    def boundary_bytes(self, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node],
-                       base: set[fx.Node]) -> float:
-        """Bytes the region with readout ``R`` reads and writes per time step (its time-carrying
-        inputs and outputs); infinite where an output has no plain time axis."""
-        region = base | set(R) | ({final} if final is not None else set())
+    def layout(self, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node], base: set[fx.Node],
+               ) -> tuple[list[fx.Node], list[fx.Node], set[fx.Node], list[fx.Node], list[fx.Node]]:
+        """The region around readout ``R``: ``(extra, seeds, producers, inputs, exits)`` -- the
+        readout's other inputs (producer outputs), what the producers compute, the producers,
+        the region inputs, and the readout values (or ``h``) used outside."""
         rset = set(R)
         extra = list(dict.fromkeys(a for n in R for a in n.all_input_nodes
                                    if a not in rset and a is not self.h and a.op != "get_attr"))
+        region = base | rset | ({final} if final is not None else set())
         seeds = scan_seeds + extra
         P = self.producer_closure(seeds, region)
         members = P | region
         inputs = self.inputs_of(members - ({final} if final else set()), members, seeds)
         exits = [n for n in [self.h, *R] if any(u not in members for u in live_users(n, self.live))]
+        return extra, seeds, P, inputs, exits
+
+    def boundary_bytes(self, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node],
+                       base: set[fx.Node]) -> float:
+        """Bytes the region with readout ``R`` reads and writes per time step (its time-carrying
+        inputs and outputs); infinite where an output has no plain time axis."""
+        _, _, _, inputs, exits = self.layout(R, final, scan_seeds, base)
         if not exits:
             return math.inf
         T = max(1, self.tl.seq_len)
@@ -521,26 +529,9 @@ class _Extractor:
         R, final = self.readout_closure(state)
         taken = self.readout_extension(R, final, scan_seeds, base_region) if self.extend else []
         R = R + taken
-        readout_set = set(R)
-        extra: list[fx.Node] = []
-        for n in R:
-            for a in n.all_input_nodes:
-                if a not in readout_set and a is not self.h and a not in extra and a.op != "get_attr":
-                    extra.append(a)
-        region = base_region | readout_set
-        if final is not None:
-            region = region | {final}
-        seeds = scan_seeds + extra
-        P = self.producer_closure(seeds, region)
-        members = P | region
-        inputs = self.inputs_of(members - ({final} if final else set()), members, seeds)
+        extra, seeds, P, inputs, exits = self.layout(R, final, scan_seeds, base_region)
         P_list = sorted(P, key=self.order.get)
         lh, rh = self.locate(P_list, inputs, seeds)
-        # exits: readout values (or h) used outside the region
-        exits: list[fx.Node] = []
-        for n in [self.h, *R]:
-            if any(u not in members for u in live_users(n, self.live)):
-                exits.append(n)
         if not exits and final is None:
             raise node_error(self.h, "the recurrence's output is never used", "remove it")
         T = self.tl.seq_len
