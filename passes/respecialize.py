@@ -41,6 +41,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from gradshard.analysis.dims import shape_of
+from gradshard.fake import private_dispatch_cache
 
 aten = torch.ops.aten
 
@@ -281,10 +282,16 @@ def _symint_args_suspicious(node: fx.Node, T_old: int, batch: tuple[int, int] = 
     return False
 
 
+_FAKE_VALUE_KEYS = ("val", "tensor_meta", "example_value")
+
+
 def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
                  strict_scalars: bool = False, module_outputs: Optional[Callable[[fx.Node, list], Any]] = None,
-                 batch: tuple[int, int] = (1, 1)) -> fx.GraphModule:
+                 batch: tuple[int, int] = (1, 1), keep_values: bool = True) -> fx.GraphModule:
     """A copy of ``gm`` for sequence length ``T_new`` (verified; see the module doc).
+
+    ``keep_values=False``: the copy's nodes keep no fake values once verified (a copy that is
+    only run: each value holds a fake tensor, and a program keeps one copy per shard length).
 
     ``batch``: the captured and the new batch size; dims whose facts carry the batch move with it.
 
@@ -320,6 +327,10 @@ def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
         env[node] = new
     out = fx.GraphModule(gm, new_graph, gm.__class__.__name__)
     fake_propagate(out, facts, T_new, module_outputs=module_outputs, batch=batch)
+    if not keep_values:
+        for node in out.graph.nodes:
+            for key in _FAKE_VALUE_KEYS:
+                node.meta.pop(key, None)
     return out
 
 
@@ -345,7 +356,9 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     env: dict[fx.Node, Any] = {}
-    with mode, _quiet_fake_tensor_errors():
+    # private cache: re-specialising runs at a call's first use of a length, outside the
+    # compile's own private cache; its entries would stay in torch's process-wide one
+    with private_dispatch_cache(), mode, _quiet_fake_tensor_errors():
         for i, node in enumerate(gm.graph.nodes):
             if node.op == "placeholder":
                 old = node.meta.get("val")

@@ -58,6 +58,13 @@ _TRACING_MODE = "fake"
 _depth = [0]  # nesting of plain objects flattened by attribute (bounds reference cycles)
 
 
+def _flatten_parts(items: Sequence[Any]) -> tuple[list[Any], list[Callable[[Sequence[Any]], Any]], list[int]]:
+    """Flatten each item: all leaves, and each item's rebuilder and leaf count (the rebuilders
+    keep no leaf: a rebuilder that held the traced outputs would keep them alive)."""
+    parts = [flatten_output(x) for x in items]
+    return [x for p in parts for x in p[0]], [p[1] for p in parts], [len(p[0]) for p in parts]
+
+
 def flatten_output(obj: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
     """Flatten a model output into leaves, returning a function that rebuilds it.
 
@@ -74,29 +81,25 @@ def flatten_output(obj: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]
         return leaves, lambda ls: cls(**rebuild(ls))
     if isinstance(obj, dict):
         keys = list(obj.keys())
-        parts = [flatten_output(obj[k]) for k in keys]
-        counts = [len(p[0]) for p in parts]
-        leaves = [x for p in parts for x in p[0]]
+        leaves, rebuilds, counts = _flatten_parts([obj[k] for k in keys])
         cls = type(obj)
 
         def rebuild_dict(ls: Sequence[Any]) -> Any:
             out, i = {}, 0
-            for k, (_, rb), n in zip(keys, parts, counts):
+            for k, rb, n in zip(keys, rebuilds, counts):
                 out[k] = rb(ls[i : i + n])
                 i += n
             return out if cls is dict else cls(out)
 
         return leaves, rebuild_dict
     if isinstance(obj, (tuple, list)):
-        parts = [flatten_output(x) for x in obj]
-        counts = [len(p[0]) for p in parts]
-        leaves = [x for p in parts for x in p[0]]
+        leaves, rebuilds, counts = _flatten_parts(list(obj))
         is_named = hasattr(obj, "_fields")
         cls = type(obj)
 
         def rebuild_seq(ls: Sequence[Any]) -> Any:
             items, i = [], 0
-            for (_, rb), n in zip(parts, counts):
+            for rb, n in zip(rebuilds, counts):
                 items.append(rb(ls[i : i + n]))
                 i += n
             return cls(*items) if is_named else cls(items)
@@ -115,9 +118,14 @@ def flatten_output(obj: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]
             _depth[0] -= 1
         if not leaves:
             return [], lambda ls: obj
+        # The rebuilder copies a template whose attributes are cleared, not ``obj``: ``obj``
+        # holds the traced outputs, and (traced on fake tensors above autograd) their whole
+        # autograd graph, which only C++ would then keep alive.
+        template = copy.copy(obj)
+        template.__dict__.update(dict.fromkeys(vars(obj)))
 
         def rebuild_object(ls: Sequence[Any]) -> Any:
-            new = copy.copy(obj)
+            new = copy.copy(template)
             new.__dict__.update(rebuild_attrs(ls))
             return new
 

@@ -6,6 +6,7 @@ generated sources, the nodes a loop roll erased, and the captured graph a compil
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -28,6 +29,17 @@ def test_a_compile_leaves_the_fake_tensor_dispatch_cache_as_it_found_it() -> Non
     model, (ids,) = _loop_model()
     before = set(FakeTensorMode.cache)
     gs.compile(model, plan="adjoint", shard_size=64).compiled_for(ids)
+    assert set(FakeTensorMode.cache) - before == set()
+
+
+def test_a_call_at_a_new_length_leaves_the_fake_tensor_dispatch_cache_as_it_found_it() -> None:
+    """Regions re-specialise their per-shard graphs at a call's first use of a length (verified
+    on fake tensors): those dispatches must not stay in torch's process-wide cache either."""
+    model, (ids,) = _loop_model(T=300)
+    cm = gs.compile(model, plan="adjoint", shard_size=64)
+    cm(ids).float().mean().backward()
+    before = set(FakeTensorMode.cache)
+    cm(ids[:, :250]).float().mean().backward()  # new shard and window lengths: 250 = 3 x 64 + 58
     assert set(FakeTensorMode.cache) - before == set()
 
 
@@ -90,3 +102,48 @@ def test_nothing_outside_the_compiled_module_holds_its_graphs() -> None:
     del entry, cm
     gc.collect()
     assert ref() is None
+
+
+@dataclasses.dataclass
+class _Output:
+    """Shaped like a ``transformers`` ModelOutput: a dataclass of tensors and a cache object."""
+
+    logits: torch.Tensor
+    extras: dict
+    cache: object
+
+
+class _Cache:
+    def __init__(self, states: list[torch.Tensor]) -> None:
+        self.states = states
+        self.seen = len(states)
+
+
+class _StructuredOutput(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> _Output:
+        logits = self.model(ids)
+        return _Output(logits=logits, extras={"pair": (logits[:, :1], logits.sum())}, cache=_Cache([logits[:, -1:]]))
+
+
+def _traced_fakes_with_history() -> int:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is FakeTensor and o.grad_fn is not None)
+
+
+def test_a_structured_output_does_not_keep_the_traced_forward_alive() -> None:
+    """The capture traces above autograd on fake tensors: its outputs carry the whole forward's
+    autograd graph (which only C++ keeps alive, so ``gc`` cannot free it). The function that
+    rebuilds a dataclass / dict / tuple / object output must not hold those outputs."""
+    model, (ids,) = factories.ssm(seq_len=90, batch=1, d_model=16, n_layers=2)
+    before = _traced_fakes_with_history()
+    cm = gs.compile(_StructuredOutput(model), plan="adjoint", shard_size=32)
+    out = cm(ids)
+    (out.logits.sum() + out.extras["pair"][1] + out.cache.states[0].sum()).backward()
+    assert out.cache.seen == 1 and out.extras["pair"][0].shape == (1, 1, out.logits.shape[-1])
+    assert _traced_fakes_with_history() == before

@@ -94,13 +94,18 @@ class LocalSegment(nn.Module):
         """What runs the subgraph on ``length`` steps: the graph, or its compiled variants."""
         return self.graphs.get(length, lambda: self.graph_for(length))
 
+    def forget_lengths(self) -> None:
+        """Drop the graphs re-specialised so far (the compile's check lengths; each holds a
+        copy of the graph): later calls re-specialise to the lengths they use."""
+        self._cache.clear()
+
     def graph_for(self, length: int) -> fx.GraphModule:
         """The subgraph re-specialised to ``length`` steps (cached)."""
         if length == self.captured_len:
             return self.graph_module
         g = self._cache.get(length)
         if g is None:
-            g = respecialize(self.graph_module, self.facts, self.captured_len, length)
+            g = respecialize(self.graph_module, self.facts, self.captured_len, length, keep_values=False)
             self._cache[length] = g
         return g
 

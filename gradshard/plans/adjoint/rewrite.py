@@ -601,6 +601,8 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         kept.append(_install_tail(new, tail, seg, facts, replaced))
         notes.append(f"{seg.region_name}: {seg.describe}")
     ctx.regions[:] = kept
+    for mod in [*modules, *tail_modules]:
+        mod.forget_lengths()  # the checks' lengths: a call re-specialises to its own at first use
     new.graph.eliminate_dead_code()
     new.graph.lint()
     new.recompile()

@@ -210,6 +210,11 @@ class AdjointRegion(nn.Module):
         """What runs graph ``which`` on ``length`` steps: the graph, or its compiled variants."""
         return self.graphs.get((which, length), lambda: self.graph_for(which, length))
 
+    def forget_lengths(self) -> None:
+        """Drop the graphs re-specialised so far (the compile's check lengths; each holds a
+        copy of the graph): later calls re-specialise to the lengths they use."""
+        self._cache.clear()
+
     def graph_for(self, which: str, length: int) -> fx.GraphModule:
         """The producer or readout graph re-specialised to ``length`` steps (cached)."""
         if which == "producer":
@@ -223,7 +228,7 @@ class AdjointRegion(nn.Module):
         key = (which, length)
         g = self._cache.get(key)
         if g is None:
-            g = respecialize(base, self.facts, self.io.captured_len, length)
+            g = respecialize(base, self.facts, self.io.captured_len, length, keep_values=False)
             self._cache[key] = g
         return g
 
