@@ -31,7 +31,7 @@ from ..errors import GradshardError
 from ..plans import get_plan
 from .devices import get_device
 from .facts import graph_facts
-from .fit import B, T, Fit, fit_peak, fit_polynomial
+from .fit import LINEAR_TOLERANCE, B, T, Fit, fit_peak, fit_polynomial
 from .probe import CompileSample, ProbeSample, find_input_axes, run_compile_probe, run_probe
 from .first_step import compile_probe_points, compile_regimes, fit_compile, first_step_expressions
 from .report import CostReport
@@ -127,6 +127,8 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
             break
         probe_all([(b, t * scale) for b, t in fit_pts] + [(b, t * scale) for b, t in check_pts if b == fit_pts[0][0]])
         exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
+    if batched:
+        notes_b1 = _fit_batch_one(exprs, fits, samples, probe_all, fit_pts, check_pts, optimizer_states(optimizer))
     compile_fits: dict[str, Fit] = {}
     compiles: list[CompileSample] = []
     if first_step:
@@ -144,6 +146,8 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     notes = [f"probed {len(samples)} compiled steps on {samples[0].mode} tensors in "
              f"{time.perf_counter() - t_start:.1f} s at (batch, seq_len) = "
              + ", ".join(f"({s.batch}, {s.seq_len})" for s in samples)]
+    if batched:
+        notes += notes_b1
     if compiles:
         notes.append("probed the compile alone at (batch, seq_len) = "
                      + ", ".join(f"({c.batch}, {c.seq_len})" for c in compiles))
@@ -210,25 +214,85 @@ def _fit_samples(samples: Sequence[ProbeSample], states_per_param: float) -> tup
     if len(state) != 1 or len(trainable) != 1:
         raise GradshardError(f"the compiled step's parameters changed with the probe size ({sorted(state)}); "
                              "the cost model assumes a fixed model")
-    param_bytes = sympy.Integer(state.pop())
-    e = {q: f.expr for q, f in fits.items()}
+    exprs = {q: f.expr for q, f in fits.items()}
+    exprs["param_bytes"] = sympy.Integer(state.pop())
+    return _with_derived(exprs, states_per_param), fits
+
+
+def _with_derived(e: dict[str, sympy.Expr], states_per_param: float) -> dict[str, sympy.Expr]:
+    """The fitted quantities and ``param_bytes`` plus the costs derived from them."""
+    exprs = dict(e)
+    param_bytes = e["param_bytes"]
     # The optimizer updates what receives a gradient (partial_update: the trainable slices).
-    optimizer = sympy.nsimplify(states_per_param) * e["grad_bytes"]
-    exprs = {
-        "activation_bytes": e["activation_bytes"],
-        "peak_bytes": e["peak_bytes"],
-        "param_bytes": param_bytes,
-        "grad_bytes": e["grad_bytes"],
-        "optimizer_bytes": optimizer,
-        "input_bytes": e["input_bytes"],
-        "flops_fwd": e["flops_fwd"],
-        "flops_bwd": e["flops_bwd"],
-        "hbm_bytes": 2 * e["allocated_bytes"] + 2 * param_bytes,
-    }
-    exprs["total_bytes"] = param_bytes + optimizer + e["input_bytes"] + e["peak_bytes"]
+    exprs["optimizer_bytes"] = sympy.nsimplify(states_per_param) * e["grad_bytes"]
+    exprs["hbm_bytes"] = 2 * e["allocated_bytes"] + 2 * param_bytes
+    exprs["total_bytes"] = param_bytes + exprs["optimizer_bytes"] + e["input_bytes"] + e["peak_bytes"]
     exprs["flops"] = e["flops_fwd"] + e["flops_bwd"]
-    exprs["allocated_bytes"] = e["allocated_bytes"]
-    return exprs, fits
+    return exprs
+
+
+def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: list[ProbeSample],
+                   probe_all: Callable[[Sequence[tuple[int, int]]], None], fit_pts: Sequence[tuple[int, int]],
+                   check_pts: Sequence[tuple[int, int]], states_per_param: float) -> list[str]:
+    """Price batch 1 from batch-1 probes where the batched fit does not reproduce it.
+
+    The fit probes batches 2 and 3 (:func:`probe_points`): at batch 1 a reshape of a
+    broadcast tensor is a view, not a copy, so a batch-1 step can run another op sequence,
+    and its peak is then not the batched polynomial at ``B = 1``. One batch-1 probe checks
+    it; when any quantity differs there, batch 1 is probed at the fit lengths and that
+    quantity becomes ``Piecewise((batch-1 fit, B = 1), (batched fit, True))``. Changes
+    ``exprs`` and ``fits`` in place; returns the notes to report.
+    """
+    lengths = sorted({t for _, t in fit_pts})
+    probe_all([(1, lengths[0])])
+    first = next(s for s in samples if s.batch == 1)
+    if all(_value(exprs[q], 1, first.seq_len) == v for q, v in _sample_values(first).items()):
+        return [f"batch 1 checked at seq_len = {first.seq_len}: the batched fit holds there"]
+    checks = [t for b, t in check_pts if b == fit_pts[0][0]]
+    probe_all([(1, t) for t in lengths + checks])
+    ones = [s for s in samples if s.batch == 1]
+    exprs1, fits1 = _fit_samples(ones, states_per_param)
+    if not all(f.exact for f in fits1.values()):
+        # still in the short-sequence regime at these lengths (a maximum of two forms whose
+        # argmax moves): probe twice as long and fit every batch-1 probe (an envelope)
+        probe_all([(1, 2 * t) for t in lengths + checks])
+        ones = [s for s in samples if s.batch == 1]
+        exprs1, fits1 = _fit_samples(ones, states_per_param)
+    grid = sorted({s.seq_len for s in ones} | {2**k for k in range(10, 25, 2)})
+    differ = [q for q in fits1 if q in exprs and any(_value(exprs[q], 1, t) != _value(exprs1[q], 1, t) for t in grid)]
+    # a batch-1 fit that misses its longest probes would extrapolate worse than the batched one
+    longest = sorted(ones, key=lambda s: s.seq_len)[-2:]
+    good = {q for q in differ if fits1[q].exact or (
+        fits1[q].max_rel_error <= LINEAR_TOLERANCE
+        and all(_value(exprs1[q], 1, s.seq_len) == _sample_values(s)[q] for s in longest))}
+    changed = [q for q in differ if q in good]
+    kept = [q for q in differ if q not in good]
+    for q in changed:
+        exprs[q] = sympy.Piecewise((exprs1[q], sympy.Eq(B, 1)), (exprs[q], True))
+        fits[f"{q} (batch 1)"] = fits1[q]
+    exprs.update(_with_derived({q: exprs[q] for q in [*fits1, "param_bytes"] if q in exprs}, states_per_param))
+    at = ", ".join(str(s.seq_len) for s in ones)
+    notes = []
+    if changed:
+        notes.append(f"batch 1 runs another op sequence than batches >= 2: {', '.join(changed)} priced from "
+                     f"batch-1 probes at seq_len = {at}")
+    if kept:
+        worst = max(abs(_value(exprs[q], 1, s.seq_len) - v) / max(v, 1)
+                    for s in ones for q, v in _sample_values(s).items() if q in kept)
+        notes.append(f"batch 1 differs from the batched fit in {', '.join(kept)} (up to {worst:.1%} at the batch-1 "
+                     f"probes, seq_len = {at}) and is not a polynomial there: the batched fit is kept")
+    return notes
+
+
+def _sample_values(s: ProbeSample) -> dict[str, int]:
+    """The fitted quantities one probe measured (see :func:`_fit_samples`)."""
+    return {"activation_bytes": s.saved_bytes, "peak_bytes": s.peak_bytes, "grad_bytes": s.retained_bytes,
+            "input_bytes": s.input_bytes, "flops_fwd": s.flops_fwd, "flops_bwd": s.flops_bwd,
+            "allocated_bytes": s.allocated_bytes}
+
+
+def _value(expr: sympy.Expr, batch: int, seq_len: int) -> int:
+    return int(expr.subs({B: batch, T: seq_len}))
 
 
 def _ordered(exprs: dict[str, sympy.Expr]) -> dict[str, sympy.Expr]:

@@ -162,7 +162,8 @@ def fit_envelope(points: Sequence[tuple[int, int]], values: Sequence[int]) -> Fi
     for k in range(1, len(ts) - 1):
         keep = [i for i, (_, t) in enumerate(points) if t >= ts[k]]
         drop = [i for i in range(len(points)) if i not in keep]
-        if len({points[i][1] for i in keep}) < 2 or len({points[i][0] for i in keep}) < 2:
+        batches = len({b for b, _ in points})  # probes at one batch fit in T alone
+        if len({points[i][1] for i in keep}) < 2 or len({points[i][0] for i in keep}) < min(2, batches):
             break
         upper = fit_polynomial([points[i] for i in keep], [values[i] for i in keep])
         if not upper.exact:
