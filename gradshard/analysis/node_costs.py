@@ -42,6 +42,14 @@ def _meta(v: object) -> object:
     return v
 
 
+def _on_meta(kwargs: dict) -> dict:
+    """A factory's keywords with its ``device`` on meta: a node with no tensor input (a causal
+    mask's ``ones(n, n)``) would otherwise allocate its full size for real at every length."""
+    if "device" not in kwargs:
+        return kwargs
+    return {**kwargs, "device": torch.device("meta"), **({"pin_memory": False} if "pin_memory" in kwargs else {})}
+
+
 def node_cost(node: fx.Node) -> NodeCost:
     """Bytes of the node's output and its forward/backward FLOPs (0 when unknown)."""
     val = node.meta.get("val")
@@ -55,7 +63,7 @@ def _flops(node: fx.Node) -> tuple[int, int]:
     try:
         env = {a: _meta(a.meta.get("val")) for a in node.all_input_nodes}
         args = fx.node.map_arg(node.args, lambda a: env[a])
-        kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+        kwargs = _on_meta(fx.node.map_arg(node.kwargs, lambda a: env[a]))
         with FlopCounterMode(display=False) as fwd:
             out = node.target(*args, **kwargs)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])

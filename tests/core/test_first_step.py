@@ -54,6 +54,26 @@ def test_capture_allocates_nothing_that_grows_with_length() -> None:
     assert peaks[1] <= peaks[0] + 2**16, peaks
 
 
+def test_pricing_a_factory_node_allocates_nothing() -> None:
+    """The scheduler prices every node by replaying it on meta tensors; a node with no tensor
+    input (a chunked scan's ``ones(n_chunks, n_chunks)`` mask) used to run for real: 16 MiB at
+    each compile of transformers' Mamba-2 at T=64K, growing with T**2."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gradshard.analysis.node_costs import node_cost
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return x.masked_fill(torch.ones(n, n, dtype=torch.bool).tril(), 0.0).exp()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3000, 3000))
+    ones = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.ones.default)
+    with CpuAllocatorTrace() as trace:
+        costs = [node_cost(n) for n in gm.graph.nodes]
+    assert trace.peak_bytes < 2**16, trace.peak_bytes  # the mask alone is 9 MB
+    assert costs[list(gm.graph.nodes).index(ones)].out_bytes == 3000 * 3000
+
+
 def test_plan_none_on_a_transformers_model_costs_what_eager_costs() -> None:
     """Traced, transformers builds a (T, T) causal mask eager never builds; plan none folds it
     back into ``is_causal`` (before: 7.5x eager's peak at T=4096), and its first step is a steady step."""
