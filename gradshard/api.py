@@ -164,6 +164,7 @@ class CompiledModule(nn.Module):
         self._probes: OrderedDict[tuple, CompiledGraph] = OrderedDict()
         #: probe keys the plan refused: not compiled again (the call is captured at its length)
         self._refused_probes: set[tuple] = set()
+        self.serve_notes: list[str] = []  # why a kept graph did not serve the last compile miss (explain())
         self._last: CompiledGraph | None = None
         self._specializers: list[Specializer] = []
         self._plan_serve = spec.serve
@@ -227,15 +228,31 @@ class CompiledModule(nn.Module):
                       real_values: Mapping[int, torch.Tensor] | None) -> CompiledGraph:
         """The entry for a call no cached entry matches: served, compiled at the probe and
         served, or captured at the call's inputs."""
+        self.serve_notes = []  # why a kept graph did not serve (appended by the plans' specialisers)
         entry = self._serve(key, args, kwargs)
         why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
-        if entry is None and (self._compile_probe(args, kwargs, real_values) if real_values
-                              else self._compile_probe(args, kwargs)):
+        p_key = None
+        if entry is None:
+            p_key = (self._compile_probe(args, kwargs, real_values) if real_values
+                     else self._compile_probe(args, kwargs))
+        if p_key is not None:
             entry = self._serve(key, args, kwargs)
             if entry is not None and why is not None:
                 entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
+        unserved = None
+        if p_key is not None and entry is None:
+            # The probe cannot serve the call it was compiled for (its graph does not
+            # re-specialise to this length, e.g. a pad to a chunk multiple that differs):
+            # kept, it would hold its graphs for nothing; it is not compiled again either.
+            unserved = self._probes.pop(p_key, None) or self._cache.pop(p_key, None)
+            self._refused_probes.add(p_key)
         if entry is None:
             entry = self.specialize(args, kwargs, real_values=real_values)
+            if unserved is not None:
+                why_not = "; ".join(dict.fromkeys(self.serve_notes)) or "no specialiser took it"
+                entry.extras["probe_did_not_serve"] = (
+                    f"the program compiled at the {get_plan(self.plan).probe_length}-step probe does not serve "
+                    f"this call's length ({why_not}): captured at the call's length instead, on fake tensors")
         return entry
 
     def _serve(self, key: tuple, args: tuple, kwargs: dict) -> CompiledGraph | None:
@@ -254,7 +271,7 @@ class CompiledModule(nn.Module):
         return None
 
     def _compile_probe(self, args: tuple, kwargs: dict,
-                       real_values: Mapping[int, torch.Tensor] | None = None) -> bool:
+                       real_values: Mapping[int, torch.Tensor] | None = None) -> tuple | None:
         """On a cache miss no specialiser served, for a plan with a ``probe_length`` (a program its
         specialiser serves at other lengths), when every input of rank >= 2 has one length along
         dim 1 and it is more than twice the probe: compile at the inputs cut to the probe length.
@@ -262,21 +279,21 @@ class CompiledModule(nn.Module):
         T and a loop-written model unrolls the probe's steps, not T; a new batch size or a new
         module state compiles a new probe the same way. A plan with ``probe_until`` (the chunked
         plans) compiles the probe only through its length-generic passes and keeps it for its
-        specialiser, uncached. False when nothing was compiled: no probe applies, this probe was
-        compiled before (and could not serve the call), or the plan refuses it (the full-length
-        capture then reports the refusal)."""
+        specialiser, uncached. Returns the probe's cache key; None when nothing was compiled: no
+        probe applies, this probe was compiled before (and could not serve the call), or the plan
+        refuses it (the full-length capture then reports the refusal)."""
         probe = get_plan(self.plan).probe_length if self.plan in plans() else None  # "auto" picks a plan later
         if probe is None or self.time_axis is not None:
-            return False
+            return None
         leaves, spec = pytree.tree_flatten((args, kwargs))
         lengths = {x.shape[1] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 2}
         if len(lengths) != 1 or lengths.pop() <= 2 * probe:
-            return False
+            return None
         cut = [x.narrow(1, 0, probe) if isinstance(x, torch.Tensor) and x.dim() >= 2 else x for x in leaves]
         p_args, p_kwargs = pytree.tree_unflatten(cut, spec)
         p_key = self._key(p_args, p_kwargs)
         if p_key in self._cache or p_key in self._probes or p_key in self._refused_probes:
-            return False
+            return None
         p_real = None
         if real_values:
             p_real = dict(real_values)
@@ -298,8 +315,8 @@ class CompiledModule(nn.Module):
             log.info("gradshard: the probe compile at T=%d was refused (%s); capturing at full length",
                      probe, str(exc).splitlines()[0])
             self._refused_probes.add(p_key)
-            return False
-        return True
+            return None
+        return p_key
 
     def _attach(self, entry: CompiledGraph) -> None:
         """Let a rewritten graph attach what it adds to this module (``gm.gs_attach``:
@@ -474,6 +491,8 @@ class CompiledModule(nn.Module):
                          "the graph, passes and program below are the re-specialised ones")
         if "recaptured_because" in e.extras:
             lines.append(f"captured again because {e.extras['recaptured_because']}")
+        if "probe_did_not_serve" in e.extras:
+            lines.append(e.extras["probe_did_not_serve"])
         if e.captured is not None and e.captured.buffer_updates:
             names = [e.captured.buffer_names[i] for i in e.captured.buffer_updates]
             lines.append(f"buffers updated in forward (written back once per call): {', '.join(names)}")

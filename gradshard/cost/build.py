@@ -120,6 +120,7 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
 
     probe_all(fit_pts + check_pts)
     exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
+    scaled = 1  # the lengths of the last round, as a multiple of the first
     for scale in (2, 4)[:max(0, extra_rounds)]:
         # A fit that misses a probe means the probes were still in the short-sequence regime
         # (few chunks): probe again at longer sequences and refit on everything.
@@ -127,8 +128,10 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
             break
         probe_all([(b, t * scale) for b, t in fit_pts] + [(b, t * scale) for b, t in check_pts if b == fit_pts[0][0]])
         exprs, fits = _fit_samples(samples, optimizer_states(optimizer))
-    if batched:
-        notes_b1 = _fit_batch_one(exprs, fits, samples, probe_all, fit_pts, check_pts, optimizer_states(optimizer))
+        scaled = scale
+    if batched:  # batch 1 at the last round's lengths: the regime the batched fit extrapolates from
+        notes_b1 = _fit_batch_one(exprs, fits, samples, probe_all, [(b, t * scaled) for b, t in fit_pts],
+                                  [(b, t * scaled) for b, t in check_pts], optimizer_states(optimizer))
     compile_fits: dict[str, Fit] = {}
     compiles: list[CompileSample] = []
     if first_step:
@@ -238,13 +241,14 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
 
     The fit probes batches 2 and 3 (:func:`probe_points`): at batch 1 a reshape of a
     broadcast tensor is a view, not a copy, so a batch-1 step can run another op sequence,
-    and its peak is then not the batched polynomial at ``B = 1``. One batch-1 probe checks
-    it; when any quantity differs there, batch 1 is probed at the fit lengths and that
+    and its peak is then not the batched polynomial at ``B = 1``. One batch-1 probe (the
+    longest fit length of the batched fit's last round) checks it; when any quantity differs
+    there, batch 1 is probed at those fit and check lengths and that
     quantity becomes ``Piecewise((batch-1 fit, B = 1), (batched fit, True))``. Changes
     ``exprs`` and ``fits`` in place; returns the notes to report.
     """
     lengths = sorted({t for _, t in fit_pts})
-    probe_all([(1, lengths[0])])
+    probe_all([(1, lengths[-1])])  # the longest: the regime the batched fit extrapolates from
     first = next(s for s in samples if s.batch == 1)
     if all(_value(exprs[q], 1, first.seq_len) == v for q, v in _sample_values(first).items()):
         return [f"batch 1 checked at seq_len = {first.seq_len}: the batched fit holds there"]
@@ -271,7 +275,7 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
         exprs[q] = sympy.Piecewise((exprs1[q], sympy.Eq(B, 1)), (exprs[q], True))
         fits[f"{q} (batch 1)"] = fits1[q]
     exprs.update(_with_derived({q: exprs[q] for q in [*fits1, "param_bytes"] if q in exprs}, states_per_param))
-    at = ", ".join(str(s.seq_len) for s in ones)
+    at = ", ".join(str(t) for t in sorted({s.seq_len for s in ones}))
     notes = []
     if changed:
         notes.append(f"batch 1 runs another op sequence than batches >= 2: {', '.join(changed)} priced from "

@@ -271,11 +271,26 @@ def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: di
                 # the cost model prices a fake-tensor clone (the runs above are its cost): no
                 # values to compare, and none reach a user; the shapes were verified
                 return True
-            return _same_values(want, got)
+            same = _same_values(want, got)
+            if not same:
+                _note(cm, f"re-specialised to {_describe(probe)}, the kept graph's values differ from a capture there")
+            return same
     except Exception as exc:  # noqa: BLE001 - any failure means: capture at the call's length
-        log.info("gradshard: the length-generic cross-check at %s failed (%s); capturing again", _describe(probe),
-                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        _note(cm, f"the cross-check at {_describe(probe)} failed ({_first_line(exc)})")
         return False
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _note(cm: Any, why: str) -> None:
+    """Why a kept graph did not serve a call: logged, and kept on ``cm.serve_notes`` (a list
+    the compiled module resets per compile, for ``explain()``) where there is one."""
+    log.info("gradshard: not served from the kept graph: %s", why)
+    notes = getattr(cm, "serve_notes", None)
+    if isinstance(notes, list):
+        notes.append(why)
 
 
 def _describe(sizes: Sizes) -> str:
@@ -347,8 +362,7 @@ def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
                 served = _served_entry(cm, entry, lg, args, kwargs, sizes)
         except (RespecializeError, GradshardError) as exc:
             # a refusal at the new length is reported by the capture at that length, if it stands
-            log.info("gradshard: cannot serve %s from %s (%s)", _describe(sizes),
-                     _describe(lg.sizes()), str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: {_first_line(exc)}")
             continue
         log.info("gradshard: serving %s from the graph captured at %s (no new capture)", _describe(sizes),
                  _describe(lg.sizes()))

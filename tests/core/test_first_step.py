@@ -116,6 +116,37 @@ def test_a_loop_written_model_unrolls_the_probe_not_the_sequence_under_seco() ->
     assert peaks[1] <= peaks[0] + 2**16, peaks
 
 
+class _PaddedToChunks(torch.nn.Module):
+    """Pads time to a multiple of 16 and works chunk by chunk, as transformers' Mamba-2 SSD does:
+    the pad (13 steps at the 67-step probe) makes the probe's graph unable to serve other lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        y = torch.nn.functional.pad(self.proj(x), (0, 0, 0, (-T) % 16))
+        y = y.reshape(x.shape[0], -1, 16, 8).cumsum(2).reshape(x.shape[0], -1, 8)
+        return y[:, :T].tanh()
+
+
+def test_a_probe_that_cannot_serve_is_dropped_and_explained() -> None:
+    model = _PaddedToChunks()
+    ref = copy.deepcopy(model)
+    cm = gs.compile(model, plan="none")
+    for T in (300, 403):
+        x = torch.randn(2, T, 8, dtype=torch.float64)
+        cm(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert torch.allclose(model.proj.weight.grad, ref.proj.weight.grad, rtol=1e-12), T
+        assert not cm._probes  # its graphs are not kept for nothing (nor compiled again at T=403)
+        if T == 300:
+            text = cm.explain()
+    assert "67-step probe does not serve this call's length (the cross-check at T=68, batch 2 failed" in text, text
+    assert "reshape" in text
+
+
 @pytest.mark.parametrize("plan", ["none", "partial_update"])
 def test_plain_autograd_plans_serve_every_length_from_the_probe(plan: str) -> None:
     """none and partial_update compile a long first call at the 67-step probe and serve T by
