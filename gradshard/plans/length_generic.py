@@ -354,7 +354,10 @@ def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     for entry, lg, sizes in entries_at_new_length(cm, args, kwargs, STATE_KEY, LengthGeneric):
         change = (sizes[0] != lg.seq_len, sizes[1] != lg.batch)
         if change not in lg.verified:
-            lg.verified[change] = _cross_check(cm, entry, lg, args, kwargs, sizes)
+            lg.verified[change] = _cross_check(cm, entry, lg, args, kwargs, sizes)  # notes a failure
+        elif not lg.verified[change]:
+            _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: its cross-check for this kind of change "
+                      "failed at an earlier call")
         if not lg.verified[change]:
             continue  # another entry (a probe compiled at this batch) may serve it
         try:
