@@ -137,14 +137,16 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     if first_step:
         regimes = compile_regimes(plan, opts, rule)
         batches = sorted({b for b, _ in fit_pts})
-        have = [(s.batch, s.seq_len) for s in samples]
+        # the compile is fitted at the fit's batches: batch-1 probes (above) price the step only
+        fitted = [s for s in samples if s.batch in batches]
+        have = [(s.batch, s.seq_len) for s in fitted]
         for b, t in compile_probe_points(regimes, have, granule, batches):
             say(f"probe the compile of {plan} at batch={b}, seq_len={t}")
             ctx = (lambda t=t: rule.probe_context(opts, t)) if rule.probe_context is not None else None
             compiles.append(run_compile_probe(model_or_fn, example_inputs, plan=plan, options=dict(options),
                                               axes=axes, batch=b, seq_len=t, time_axis=time_axis, frontend=frontend,
                                               mode=probe_mode, dtype=dtype, context=ctx))
-        compile_exprs, compile_fits = fit_compile(regimes, samples, compiles)
+        compile_exprs, compile_fits = fit_compile(regimes, fitted, compiles)
         exprs.update(compile_exprs)
     notes = [f"probed {len(samples)} compiled steps on {samples[0].mode} tensors in "
              f"{time.perf_counter() - t_start:.1f} s at (batch, seq_len) = "
