@@ -246,7 +246,8 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
     and its peak is then not the batched polynomial at ``B = 1``. One batch-1 probe (the
     longest fit length of the batched fit's last round) checks it; when any quantity differs
     there, batch 1 is probed at those fit and check lengths and that
-    quantity becomes ``Piecewise((batch-1 fit, B = 1), (batched fit, True))``. Changes
+    quantity becomes ``Piecewise((batch-1 fit, B = 1 and T >= its shortest probe), (batched
+    fit, True))``. Changes
     ``exprs`` and ``fits`` in place; returns the notes to report.
     """
     lengths = sorted({t for _, t in fit_pts})
@@ -273,8 +274,11 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
         and all(_value(exprs1[q], 1, s.seq_len) == _sample_values(s)[q] for s in longest))}
     changed = [q for q in differ if q in good]
     kept = [q for q in differ if q not in good]
+    # below the batch-1 probes the batch-1 fit would extrapolate a short-sequence floor: the
+    # batched fit, probed there, prices batch 1 at those lengths
+    shortest = min(s.seq_len for s in ones)
     for q in changed:
-        exprs[q] = sympy.Piecewise((exprs1[q], sympy.Eq(B, 1)), (exprs[q], True))
+        exprs[q] = sympy.Piecewise((exprs1[q], sympy.And(sympy.Eq(B, 1), T >= shortest)), (exprs[q], True))
         fits[f"{q} (batch 1)"] = fits1[q]
     exprs.update(_with_derived({q: exprs[q] for q in [*fits1, "param_bytes"] if q in exprs}, states_per_param))
     at = ", ".join(str(t) for t in sorted({s.seq_len for s in ones}))
