@@ -245,10 +245,9 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
     broadcast tensor is a view, not a copy, so a batch-1 step can run another op sequence,
     and its peak is then not the batched polynomial at ``B = 1``. One batch-1 probe (the
     longest fit length of the batched fit's last round) checks it; when any quantity differs
-    there, batch 1 is probed at those fit and check lengths and that
-    quantity becomes ``Piecewise((batch-1 fit, B = 1 and T >= its shortest probe), (batched
-    fit, True))``. Changes
-    ``exprs`` and ``fits`` in place; returns the notes to report.
+    there, batch 1 is probed at those fit and check lengths and that quantity becomes
+    ``Piecewise((batch-1 fit, B = 1 and T >= its shortest probe), (batched fit, True))``.
+    Changes ``exprs`` and ``fits`` in place; returns the notes to report.
     """
     lengths = sorted({t for _, t in fit_pts})
     probe_all([(1, lengths[-1])])  # the longest: the regime the batched fit extrapolates from
