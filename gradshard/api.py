@@ -231,24 +231,22 @@ class CompiledModule(nn.Module):
         self.serve_notes = []  # why a kept graph did not serve (appended by the plans' specialisers)
         entry = self._serve(key, args, kwargs)
         why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
-        p_key = None
-        if entry is None:
-            p_key = (self._compile_probe(args, kwargs, real_values) if real_values
-                     else self._compile_probe(args, kwargs))
+        p_key = self._compile_probe(args, kwargs, real_values) if entry is None else None
         if p_key is not None:
             entry = self._serve(key, args, kwargs)
             if entry is not None and why is not None:
                 entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
-        unserved = None
-        if p_key is not None and entry is None:
+        unserved = p_key is not None and entry is None
+        if unserved:
             # The probe cannot serve the call it was compiled for (its graph does not
             # re-specialise to this length, e.g. a pad to a chunk multiple that differs):
             # kept, it would hold its graphs for nothing; it is not compiled again either.
-            unserved = self._probes.pop(p_key, None) or self._cache.pop(p_key, None)
+            self._probes.pop(p_key, None)
+            self._cache.pop(p_key, None)
             self._refused_probes.add(p_key)
         if entry is None:
             entry = self.specialize(args, kwargs, real_values=real_values)
-            if unserved is not None:
+            if unserved:
                 why_not = "; ".join(dict.fromkeys(self.serve_notes)) or "no specialiser took it"
                 entry.extras["probe_did_not_serve"] = (
                     f"the program compiled at the {get_plan(self.plan).probe_length}-step probe does not serve "

@@ -204,15 +204,12 @@ def _float_dtype(target: Any, inputs: tuple) -> torch.dtype:
 
 def _fit_samples(samples: Sequence[ProbeSample], states_per_param: float) -> tuple[dict[str, sympy.Expr], dict[str, Fit]]:
     pts = [(s.batch, s.seq_len) for s in samples]
+    values = [_sample_values(s) for s in samples]
     fits: dict[str, Fit] = {
-        "activation_bytes": fit_polynomial(pts, [s.saved_bytes for s in samples]),
-        "peak_bytes": fit_peak(pts, [s.peak_bytes for s in samples], [s.ops for s in samples],
-                               [s.live for s in samples], phase_peaks=[s.phase_peaks for s in samples]),
-        "grad_bytes": fit_polynomial(pts, [s.retained_bytes for s in samples]),
-        "input_bytes": fit_polynomial(pts, [s.input_bytes for s in samples]),
-        "flops_fwd": fit_polynomial(pts, [s.flops_fwd for s in samples]),
-        "flops_bwd": fit_polynomial(pts, [s.flops_bwd for s in samples]),
-        "allocated_bytes": fit_polynomial(pts, [s.allocated_bytes for s in samples]),
+        q: fit_peak(pts, [v[q] for v in values], [s.ops for s in samples], [s.live for s in samples],
+                    phase_peaks=[s.phase_peaks for s in samples]) if q == "peak_bytes"
+        else fit_polynomial(pts, [v[q] for v in values])
+        for q in values[0]
     }
     state = {s.state_bytes for s in samples}
     trainable = {s.trainable_bytes for s in samples}
@@ -294,7 +291,7 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
 
 
 def _sample_values(s: ProbeSample) -> dict[str, int]:
-    """The fitted quantities one probe measured (see :func:`_fit_samples`)."""
+    """The quantities :func:`_fit_samples` fits, as one probe measured them."""
     return {"activation_bytes": s.saved_bytes, "peak_bytes": s.peak_bytes, "grad_bytes": s.retained_bytes,
             "input_bytes": s.input_bytes, "flops_fwd": s.flops_fwd, "flops_bwd": s.flops_bwd,
             "allocated_bytes": s.allocated_bytes}
