@@ -231,12 +231,15 @@ class CompiledModule(nn.Module):
         self.serve_notes = []  # why a kept graph did not serve (appended by the plans' specialisers)
         entry = self._serve(key, args, kwargs)
         why = _guard_change(next(reversed(self._cache)), key) if entry is None and self._cache else None
-        p_key = self._compile_probe(args, kwargs, real_values) if entry is None else None
-        if p_key is not None:
+        p_key = None
+        if entry is None:  # real_values only where given: tests stand in a two-argument _compile_probe
+            p_key = (self._compile_probe(args, kwargs, real_values) if real_values
+                     else self._compile_probe(args, kwargs))
+        if p_key:  # a key (a non-empty tuple); None (or a stand-in's False): nothing compiled
             entry = self._serve(key, args, kwargs)
             if entry is not None and why is not None:
                 entry.extras["recaptured_because"] = f"{why}: captured again at the probe length, served here"
-        unserved = p_key is not None and entry is None
+        unserved = bool(p_key) and entry is None
         if unserved:
             # The probe cannot serve the call it was compiled for (its graph does not
             # re-specialise to this length, e.g. a pad to a chunk multiple that differs):
