@@ -14,6 +14,7 @@ from torch import nn
 
 import gradshard as gs
 from examples.models.ssm import SCANS, LoopSSMLM, SelectiveSSMLM, SSMConfig
+from gradshard.plans.adjoint.runtime import AdjointRegion
 
 from .helpers import assert_same_grads
 from .models import DiagonalSSM, init_like_training
@@ -303,3 +304,76 @@ def test_a_loss_inside_the_model_is_reduced_shard_by_shard(plan, opts, kind):
     P, N = CFG["d_model"], CFG["d_state"]
     want = 2 * batch * T * P * 8 + 2 * n_ckpt * batch * N * P * 8
     assert saved <= want + 1024, (saved, want)  # + the loss's scalars
+
+
+def _region_nodes(out: torch.Tensor) -> list:
+    """The AdjointFunction backward nodes of the autograd graph behind ``out``."""
+    seen, stack, found = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "AdjointFunctionBackward":
+            found.append(node)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return found
+
+
+@pytest.mark.parametrize("shard", [5, 64])
+def test_residual_stream_gradient_is_one_buffer(shard):
+    """A region whose output feeds only the next region writes its input's gradient into its
+    output's gradient: the backward holds one residual-stream gradient buffer, not two."""
+    batch, T, d = 2, 61, 32
+    torch.manual_seed(0)
+    model = SelectiveSSMLM(SSMConfig(vocab_size=37, d_model=d, d_state=3, n_layers=3, scan="gradshard")).double()
+    ids = torch.randint(0, 37, (batch, T), generator=torch.Generator().manual_seed(1))
+    cm = assert_same_grads(model, (ids,), plan="adjoint", shard_size=shard)
+    assert cm.explain().count("written into the gradient of output") == 2, cm.explain()  # layers 1, 2
+
+    shared: list[bool] = []
+    out = cm(ids)
+    for node in _region_nodes(out):
+        node.register_hook(lambda g_in, g_out: shared.append(
+            any(a is not None and b is not None and a.data_ptr() == b.data_ptr() for a in g_in for b in g_out)))
+    out.sum().backward()
+    assert sorted(shared) == [False, True, True], shared  # layer 0 reads the ids: nothing to write into
+
+    def peak() -> int:
+        def step(ids: torch.Tensor) -> None:
+            model.zero_grad(set_to_none=True)
+            cm(ids).sum().backward()
+        step(ids)
+        return gs.measure(step, ids).peak_bytes
+
+    donated = peak()
+    regions = [m for m in cm.modules() if isinstance(m, AdjointRegion)]
+    kept = [dict(m.donors) for m in regions]
+    for m in regions:
+        m.donors = {}
+    try:
+        separate = peak()
+    finally:
+        for m, dn in zip(regions, kept):
+            m.donors = dn
+    assert donated <= separate, (donated, separate)
+
+
+class _TappedSSM(DiagonalSSM):
+    """Layer 0's output feeds layer 1 and, again, the model's output."""
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        y1 = self.layer(0, y)
+        return self.layer(2, self.layer(1, y1)) * y1.tanh()
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_an_output_read_twice_keeps_its_own_gradient(conv):
+    """Only an output whose one reader is another region gives its gradient buffer away."""
+    torch.manual_seed(0)
+    model = _TappedSSM(d=6, n=3, layers=3, scan="gradshard", conv=conv).double()
+    y = torch.randn(2, 19, 6, dtype=torch.float64, requires_grad=True)
+    cm = assert_same_grads(model, (y,), plan="adjoint", shard_size=4)
+    notes = [line for line in cm.explain().splitlines() if "written into the gradient of output" in line]
+    # layer 0's output is read by layer 1 and by the tail (the product): it keeps its gradient
+    assert [n.split(":")[0].strip() for n in notes] == ["adjoint_1", "adjoint_2"], notes

@@ -23,8 +23,12 @@ D, K, BLOCK, VOCAB = 6, 4, 4, 13
 
 
 class PaddedSkipLM(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    """``scaled_residual``: ``h = g * h + out(...)``; the plain ``h + out(...)`` lets the region take
+    the whole layer in (the residual add joins it, so the conv becomes one of its producers)."""
+
+    def __init__(self, layers: int = 2, scaled_residual: bool = True) -> None:
         super().__init__()
+        self.res_scale = nn.Parameter(torch.full((D,), 0.9)) if scaled_residual else None
         self.emb = nn.Embedding(VOCAB, D)
         self.inp = nn.ModuleList(nn.Linear(D, 2 * D) for _ in range(layers))
         self.conv = nn.ModuleList(nn.Conv1d(D, D, K, groups=D, padding=K - 1) for _ in range(layers))
@@ -42,7 +46,7 @@ class PaddedSkipLM(nn.Module):
             x = F.silu(conv(x.transpose(1, 2))[..., :T].transpose(1, 2))
             s = gs.kernels.linear_scan(torch.sigmoid(A(x)), x * x.tanh(), None)
             y = (F.pad(s, (0, 0, 0, pad)) + self.skip * F.pad(x, (0, 0, 0, pad)))[:, :T]
-            h = h + out(y * F.silu(gate))
+            h = (h if self.res_scale is None else self.res_scale * h) + out(y * F.silu(gate))
         return self.head(F.rms_norm(h, (D,)))
 
 
@@ -64,9 +68,13 @@ def test_conv_runs_in_a_halo_segment_and_the_padded_skip_joins_it(T: int) -> Non
     assert not conv_layout and not padded, saved
 
 
-def test_a_halo_segment_matches_autograd_with_shards_shorter_than_the_halo() -> None:
-    """Shards of 2 steps read 3 earlier ones: a window spans several earlier shards."""
+@pytest.mark.parametrize("scaled_residual", [True, False], ids=["halo_segment", "halo_region"])
+def test_a_halo_matches_autograd_with_shards_shorter_than_the_halo(scaled_residual: bool) -> None:
+    """Shards of 2 steps read 3 earlier ones: a window spans several earlier shards (in a
+    time-local segment, or in a region whose input gradient is written into its output's)."""
     torch.manual_seed(1)
-    model = PaddedSkipLM(layers=1).double()
+    model = PaddedSkipLM(layers=2, scaled_residual=scaled_residual).double()
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
-    assert_same_grads(model, (ids,), plan="adjoint", shard_size=2)
+    cm = assert_same_grads(model, (ids,), plan="adjoint", shard_size=2)
+    donated = "written into the gradient of output" in cm.explain()
+    assert donated != scaled_residual, cm.explain()

@@ -303,7 +303,10 @@ class _Extractor:
         ``z``, ``x`` are region inputs); taken in, each backward shard recomputes them from the
         region's inputs. Candidates are taken in graph order (each prefix is closed under
         inputs); the prefix whose region inputs and outputs carry the fewest bytes per step is
-        kept, the shortest on a tie, none unless it is strictly fewer.
+        kept, the shortest on a tie, none unless it is strictly fewer -- except that on a tie a
+        prefix ending in the residual add (``x + f(x)``, ``x`` a region input of the output's
+        shape) is preferred: the backward can then write ``x``'s gradient into the output's
+        (:mod:`gradshard.plans.adjoint.donate`), one residual-stream buffer instead of two.
         """
         desc = self.descendants(self.h)
         inside = set(base) | set(R) | ({final} if final is not None else set())
@@ -326,8 +329,22 @@ class _Extractor:
         if not cands:
             return []
         costs = [self.boundary_bytes(R + cands[:k], final, scan_seeds, base) for k in range(len(cands) + 1)]
-        best = min(range(len(costs)), key=lambda k: (costs[k], k))
-        return cands[:best] if costs[best] < costs[0] else []
+        joins = [k > 0 and self.joins_residual(cands[k - 1], R + cands[:k], final, scan_seeds, base)
+                 for k in range(len(cands) + 1)]
+        best = min(range(len(costs)), key=lambda k: (costs[k], not joins[k], k))
+        return cands[:best] if costs[best] < costs[0] or (costs[best] == costs[0] and joins[best]) else []
+
+    def joins_residual(self, n: fx.Node, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node],
+                       base: set[fx.Node]) -> bool:
+        """``n`` adds a time-carrying region input of its own shape and dtype (the residual stream)
+        to a value of the region with readout ``R``."""
+        if n.target != aten.add.Tensor or n.kwargs.get("alpha", 1) != 1:
+            return False
+        _, _, _, inputs, _ = self.layout(R, final, scan_seeds, base)
+        v = _val(n)
+        return v is not None and any(
+            a in inputs and self.timed(a) and _val(a) is not None and _val(a).shape == v.shape and _val(a).dtype == v.dtype
+            for a in n.args if isinstance(a, fx.Node))
 
     def layout(self, R: list[fx.Node], final: Optional[fx.Node], scan_seeds: list[fx.Node], base: set[fx.Node],
                ) -> tuple[list[fx.Node], list[fx.Node], set[fx.Node], list[fx.Node], list[fx.Node]]:

@@ -48,6 +48,7 @@ from gradshard.ir import Region, source_of
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.plans.adjoint.donate import assign_gradient_donors
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.reductions import split_time_reductions
@@ -609,5 +610,7 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     from gradshard.plans.adjoint.generic import install_length_generic
 
     install_length_generic(new, facts, tl)
+    # last: the proof reads each region output's users in the final graph
+    notes += assign_gradient_donors(new)
     ctx.invalidate("time")
     return PassResult(new, changed=True, notes=tuple(notes))

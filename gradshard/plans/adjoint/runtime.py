@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from gradshard.ir import Stage
 from gradshard.runtime.compiled import GraphCompiler, RegionGraphs
 
+from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from gradshard.plans.adjoint.scan import recurrence_for
 from gradshard.plans.adjoint.truncated import TruncatedSweep
@@ -196,6 +197,9 @@ class AdjointRegion(nn.Module):
         self.remats = {r.index: r for r, _ in remats}
         self.remat_graphs = nn.ModuleDict({f"input{r.index}": g for r, g in remats})
         self.n_extra = int(n_extra)
+        #: input index -> output index whose incoming gradient takes the input's gradient rows
+        #: (set by :func:`gradshard.plans.adjoint.donate.assign_gradient_donors`)
+        self.donors: dict[int, int] = {}
         #: compiled producer/readout graphs (when the program is composed with Inductor)
         self.graphs = RegionGraphs(name)
 
@@ -428,6 +432,12 @@ class AdjointFunction(torch.autograd.Function):
         for x, d, need in zip(inputs, io.input_time_dims, needs):
             static_leaves.append(None if d is not None else (x.detach().requires_grad_(need) if x.dtype.is_floating_point else x))
         grads_in: list[Optional[Tensor]] = [None] * len(inputs)
+        donated: dict[int, DonatedGrad] = {}
+        for i, j in region.donors.items():
+            x, like = inputs[i], ctx.remat_like.get(i)
+            shape, dtype, device = (tuple(x.shape), x.dtype, x.device) if x is not None else like
+            if needs[i] and donatable(dys[j], shape, dtype, device):
+                donated[i] = DonatedGrad(dys[j], io.input_time_dims[i])
         shards = region.shards(T)
         carry: Optional[Tensor] = None
         sweep = TruncatedSweep(sp.kind, region.window, T) if region.plan == "truncated_adjoint" else None
@@ -481,11 +491,17 @@ class AdjointFunction(torch.autograd.Function):
                     grads_v.append(dr)
             targets = [(i, leaves[i]) for i in range(len(leaves))
                        if needs[i] and isinstance(leaves[i], Tensor) and leaves[i].requires_grad]
+            shard_grads: dict[int, Tensor] = {}
             if outs_v and targets:
                 gi = torch.autograd.grad(outs_v, [t for _, t in targets], grads_v, allow_unused=True)
-                for (i, _), gv in zip(targets, gi):
-                    if gv is not None:
-                        add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
-                                       lambda i=i: _zeros_like_input(inputs[i], ctx.remat_like.get(i)))
-            del outs, prod, a, u, rs, outs_v, grads_v
+                shard_grads = {i: gv for (i, _), gv in zip(targets, gi) if gv is not None}
+            del outs, prod, a, u, rs, outs_v, grads_v  # the shard's graph: nothing reads dy's rows [s, e) now
+            for i, gv in shard_grads.items():
+                if i not in donated:
+                    add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
+                                   lambda i=i: _zeros_like_input(inputs[i], ctx.remat_like.get(i)))
+            for i, buf in donated.items():
+                buf.close(s, e, shard_grads.get(i), ws, we)
+        for i, buf in donated.items():
+            grads_in[i] = buf.result()
         return (None, *grads_in, *([None] * ctx.n_extra))
