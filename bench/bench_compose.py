@@ -17,6 +17,8 @@ with ``gs.measure`` after a warm-up step that captures and compiles:
   run per shard or chunk (adjoint: producer/readout/tail graphs; seco: runs of local nodes, with
   each chunk's attention output kept for its backward);
 - ``gs_adjoint_eager`` / ``gs_seco_eager``: the same plans with ``inductor=False`` (what ran before);
+- ``gs_adjoint_recompute``: ``gs_adjoint`` with ``recompute_layer_inputs=True`` (every other layer's
+  input recomputed from the layer before it, not kept);
 - ``backend_none`` / ``backend_adjoint`` / ``backend_seco``:
   ``torch.compile(model, backend=gs.backend(plan=...))``.
 
@@ -63,8 +65,8 @@ HEADING = "## Composing with Inductor (issue 19)"
 HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
 MODELS = ("ssm", "mingru", "llama", "hf_llama", "hf_mamba2")
 RECURRENT = ("ssm", "mingru", "hf_mamba2")  # adjoint rows; the others get seco rows
-METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager", "gs_seco",
-           "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
+METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager",
+           "gs_adjoint_recompute", "gs_seco", "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
 DEFAULT_METHODS = METHODS
 
 
@@ -246,6 +248,9 @@ def runner(method: str, model: nn.Module, *, shard: int, chunk: int) -> tuple[Ca
     if method in ("compile", "compile_budget"):
         label = "torch.compile" + (" (activation_memory_budget=0.1)" if method == "compile_budget" else "")
         return torch.compile(model, dynamic=False), label
+    if method == "gs_adjoint_recompute":
+        return (gs.compile(model, plan="adjoint", inductor=True, recompute_layer_inputs=True, **opts["adjoint"]),
+                "gs.compile(plan='adjoint', inductor=True, recompute_layer_inputs=True)")
     if method.startswith("gs_"):
         plan = method.split("_")[1]
         inductor = not method.endswith("_eager")

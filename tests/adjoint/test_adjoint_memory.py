@@ -7,6 +7,8 @@ in the backward (``tail_0``). Saved bytes are checked exactly; gradients to 1e-1
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -377,3 +379,37 @@ def test_an_output_read_twice_keeps_its_own_gradient(conv):
     notes = [line for line in cm.explain().splitlines() if "written into the gradient of output" in line]
     # layer 0's output is read by layer 1 and by the tail (the product): it keeps its gradient
     assert [n.split(":")[0].strip() for n in notes] == ["adjoint_1", "adjoint_2"], notes
+
+
+@pytest.mark.parametrize("plan,opts", [("adjoint", {}), ("truncated_adjoint", {"window": 100})])  # exact: window > T
+@pytest.mark.parametrize("shard", [5, 8])
+def test_recomputed_layer_inputs_are_not_kept_and_gradients_stay_exact(plan, opts, shard):
+    """``recompute_layer_inputs``: layers 1 and 3 rerun layers 0 and 2 per backward window (from
+    their state checkpoints) instead of keeping their inputs; at a new length too."""
+    layers, batch, T = 4, 2, 29
+    model = _lm(layers)
+    ids = torch.randint(0, CFG["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(3))
+    cm = assert_same_grads(model, (ids,), plan=plan, shard_size=shard, recompute_layer_inputs=True, **opts)
+    chained = [line for line in cm.explain().splitlines() if "is recomputed in the backward from" in line]
+    assert [c.split(":")[0].strip() for c in chained] == ["adjoint_1", "adjoint_3"], chained
+    kept = _saved_bytes(model, gs.compile(model, plan=plan, shard_size=shard, **opts), ids)
+    assert kept - _saved_bytes(model, cm, ids) == 2 * batch * T * CFG["d_model"] * 8
+    # the same compiled module at another length (re-specialised, not captured again)
+    ids2 = torch.randint(0, CFG["vocab_size"], (batch, 2 * T + 3), generator=torch.Generator().manual_seed(4))
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    cm(ids2).square().mean().backward()
+    ref(ids2).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12), name
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_recomputed_layer_input_through_a_halo(conv):
+    """A chained layer whose producers read a causal window (conv): its windows start before a
+    shard boundary of the layer it reruns; shards of 3 steps, odd T."""
+    torch.manual_seed(0)
+    model = DiagonalSSM(d=6, n=3, layers=3, scan="gradshard", conv=conv).double()
+    y = torch.randn(2, 19, 6, dtype=torch.float64, requires_grad=True)
+    cm = assert_same_grads(model, (y,), plan="adjoint", shard_size=3, recompute_layer_inputs=True)
+    assert "adjoint_1: input" in cm.explain() and "is recomputed in the backward from adjoint_0" in cm.explain()

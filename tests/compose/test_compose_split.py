@@ -161,6 +161,8 @@ CASES = {
                                     {"shard_size": 3}),
     "truncated-ssm": lambda: (*factories.ssm(seq_len=13, batch=2, dtype=torch.float64), "truncated_adjoint",
                               {"window": 13, "shard_size": 4}),
+    "adjoint-ssm-recomputed-inputs": lambda: (*factories.ssm(seq_len=13, batch=2, n_layers=4, dtype=torch.float64),
+                                              "adjoint", {"shard_size": 4, "recompute_layer_inputs": True}),
     # tests/chunked
     "seco-llama": lambda: (*factories.llama(seq_len=13, batch=2, dtype=torch.float64), "seco", {"chunk_size": 5}),
     "seco-scan-rope": lambda: (_scan_rope(), (_x(2, 17, 16, seed=3),), "seco", {"chunk_size": 4}),

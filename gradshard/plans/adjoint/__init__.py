@@ -71,6 +71,9 @@ PROBE_LENGTH = 67
 @dataclass(frozen=True)
 class AdjointOptions:
     shard_size: int = 256
+    #: every other layer's input recomputed from the layer before (its forward rerun per backward
+    #: window), not kept: about half the layer inputs' memory for one more forward per layer pair
+    recompute_layer_inputs: bool = False
 
 
 @register_plan(
@@ -82,3 +85,4 @@ class AdjointOptions:
 class TruncatedAdjointOptions:
     window: int
     shard_size: int = 256
+    recompute_layer_inputs: bool = False  # as for plan="adjoint"

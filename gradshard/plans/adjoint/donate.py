@@ -79,27 +79,41 @@ def donatable(dy: Optional[Tensor], shape: tuple[int, ...], dtype: torch.dtype, 
             and dy.dtype == dtype and dy.device == device and dy._base is None and dy.is_contiguous())
 
 
-def _fresh_input_grads(mod: torch.nn.Module) -> Optional[list[bool]]:
-    """Per call argument of region module ``mod``: does its backward return a buffer of its own
-    for that argument's gradient (a time-carrying input: a full-length buffer it filled)?"""
+def _input_grads(mod: torch.nn.Module) -> Optional[list[str]]:
+    """Per call argument of region module ``mod``, what its backward returns for that argument's
+    gradient: ``"fresh"`` (a time-carrying input: a full-length buffer it alone holds),
+    ``"none"`` (an extra input: read without grad) or ``"other"``."""
     from gradshard.plans.adjoint.local import LocalSegment
     from gradshard.plans.adjoint.runtime import AdjointRegion
 
-    if isinstance(mod, AdjointRegion):  # the extra (remat) inputs get no gradient
-        return [d is not None for d in mod.io.input_time_dims] + [False] * mod.n_extra
+    if isinstance(mod, AdjointRegion):
+        return ["fresh" if d is not None else "other" for d in mod.io.input_time_dims] + ["none"] * mod.n_extra
     if isinstance(mod, LocalSegment):
-        return [d is not None for d in mod.input_time_dims]
+        return ["fresh" if d is not None else "other" for d in mod.input_time_dims]
     return None
+
+
+def _one_fresh_gradient(g: fx.Node, calls: dict[fx.Node, torch.nn.Module]) -> Optional[fx.Node]:
+    """The one region call that returns a gradient for ``g``, when that gradient is a buffer of its
+    own and every other reader of ``g`` is a region call that returns none for it."""
+    giving: list[tuple[fx.Node, str]] = []
+    for user in g.users:
+        kinds = _input_grads(calls[user]) if user in calls else None
+        if kinds is None:
+            return None
+        giving += [(user, kinds[p]) for p, a in enumerate(user.args) if a is g and kinds[p] != "none"]
+    return giving[0][0] if len(giving) == 1 and giving[0][1] == "fresh" else None
 
 
 def assign_gradient_donors(gm: fx.GraphModule) -> list[str]:
     """Set ``donors`` (input index -> output index) on each ``AdjointRegion`` of ``gm`` whose output
     gradient it may write its input's gradient into; returns a note per donation.
 
-    An output qualifies when its only user is one call of another region module that takes it as
-    a time-carrying input (that backward returns a full-length buffer it alone holds: a fresh
-    one, or its own donated one), and an input of the same shape, dtype and time dim needs a
-    gradient. Must run on the final graph: a later consumer of the output would break the proof.
+    An output qualifies when one call of another region module takes it as a time-carrying input
+    (that backward returns a full-length buffer it alone holds: a fresh one, or its own donated
+    one), every other reader is a region that reads it without grad (a chained region's extra
+    input), and an input of the same shape, dtype and time dim needs a gradient. Must run on the
+    final graph: a later consumer of the output would break the proof.
     """
     from gradshard.plans.adjoint.runtime import AdjointRegion
 
@@ -114,11 +128,8 @@ def assign_gradient_donors(gm: fx.GraphModule) -> list[str]:
             if g.op != "call_function" or g.target is not operator.getitem:
                 continue
             j = g.args[1]
-            if j >= len(mod.io.output_time_dims) or len(g.users) != 1:
-                continue
-            (user,) = g.users
-            fresh = _fresh_input_grads(calls[user]) if user in calls else None
-            if fresh is None or list(user.args).count(g) != 1 or not fresh[list(user.args).index(g)]:
+            user = _one_fresh_gradient(g, calls) if j < len(mod.io.output_time_dims) else None
+            if user is None:
                 continue
             out_val, td = g.meta.get("val"), mod.io.output_time_dims[j]
             for i, x in enumerate(call.args[:n_base]):
@@ -129,6 +140,6 @@ def assign_gradient_donors(gm: fx.GraphModule) -> list[str]:
                     continue
                 mod.donors[i] = j
                 notes.append(f"{mod.region_name}: the gradient of input `{x.name}` is written into the gradient "
-                             f"of output {j} (its one user is `{user.target}`): one residual-stream buffer, not two")
+                             f"of output {j} (its gradient comes from `{user.target}` alone): one residual-stream buffer, not two")
                 break
     return notes

@@ -48,6 +48,7 @@ from gradshard.ir import Region, source_of
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.plans.adjoint.chain import chain_layer_inputs
 from gradshard.plans.adjoint.donate import assign_gradient_donors
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
@@ -604,13 +605,15 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     ctx.regions[:] = kept
     for mod in [*modules, *tail_modules]:
         mod.forget_lengths()  # the checks' lengths: a call re-specialises to its own at first use
+    # last, on the final graph: both read each region output's users
+    if getattr(opts, "recompute_layer_inputs", False):
+        notes += chain_layer_inputs(new)
+    notes += assign_gradient_donors(new)
     new.graph.eliminate_dead_code()
     new.graph.lint()
     new.recompile()
     from gradshard.plans.adjoint.generic import install_length_generic
 
     install_length_generic(new, facts, tl)
-    # last: the proof reads each region output's users in the final graph
-    notes += assign_gradient_donors(new)
     ctx.invalidate("time")
     return PassResult(new, changed=True, notes=tuple(notes))

@@ -35,7 +35,7 @@ signature (:mod:`gradshard.runtime.compiled`), the backward recompute's variant 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -50,7 +50,7 @@ from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respec
 from gradshard.plans.adjoint.scan import recurrence_for
 from gradshard.plans.adjoint.truncated import TruncatedSweep
 
-__all__ = ["ScanSpec", "RegionIO", "InputRemat", "AdjointRegion", "AdjointFunction"]
+__all__ = ["ScanSpec", "RegionIO", "InputRemat", "ChainedInput", "AdjointRegion", "AdjointFunction"]
 
 
 def _zeros_like_input(x: Optional[Tensor], like: Optional[tuple]) -> Tensor:
@@ -107,6 +107,24 @@ class InputRemat:
     leaf_slots: tuple[int, ...]
     leaf_time_dims: tuple[Optional[int], ...]
     halo: int = 0
+
+
+@dataclass(frozen=True)
+class ChainedInput:
+    """Region input ``index`` is output ``output`` of the region before (``source``), recomputed per
+    backward window by rerunning that region's forward from its state checkpoints, not kept.
+
+    The source's call arguments are among this region's extra inputs: ``base_slots`` for its own
+    inputs (None where the source recomputes that input itself: it is not passed), then
+    ``extra_slots`` for its extras, and ``ckpt_slot`` for the checkpoint stack its forward exports.
+    """
+
+    index: int
+    source: "AdjointRegion" = field(compare=False, repr=False)
+    output: int = 0
+    base_slots: tuple[Optional[int], ...] = ()
+    extra_slots: tuple[int, ...] = ()
+    ckpt_slot: int = 0
 
 
 # --------------------------------------------------------------------------- layout helpers
@@ -200,6 +218,10 @@ class AdjointRegion(nn.Module):
         #: input index -> output index whose incoming gradient takes the input's gradient rows
         #: (set by :func:`gradshard.plans.adjoint.donate.assign_gradient_donors`)
         self.donors: dict[int, int] = {}
+        #: inputs recomputed from the region before (set by ``chain_layer_inputs``); a region some
+        #: other region chains from exports its state checkpoints as a last output
+        self.chained: dict[int, ChainedInput] = {}
+        self.exports_checkpoints = False
         #: compiled producer/readout graphs (when the program is composed with Inductor)
         self.graphs = RegionGraphs(name)
 
@@ -251,8 +273,16 @@ class AdjointRegion(nn.Module):
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         return AdjointFunction.apply(self, *inputs)
 
-    def remat_window(self, index: int, extras: Sequence[Tensor], ws: int, we: int) -> Tensor:
+    def recomputed(self) -> set[int]:
+        """The inputs the forward does not keep: recomputed from extra inputs, or chained."""
+        return set(self.remats) | set(self.chained)
+
+    def remat_window(self, index: int, extras: Sequence[Tensor], ws: int, we: int, T: int) -> Tensor:
         """Window ``[ws, we)`` of region input ``index``, recomputed from the extra inputs (no grad)."""
+        c = self.chained.get(index)
+        if c is not None:
+            args = [None if j is None else extras[j] for j in c.base_slots] + [extras[j] for j in c.extra_slots]
+            return c.source.output_window(args, extras[c.ckpt_slot], ws, we, T)[c.output]
         r = self.remats[index]
         start = max(0, ws - r.halo)
         leaves = [_narrow(extras[j], d, start, we - start) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
@@ -260,6 +290,26 @@ class AdjointRegion(nn.Module):
             out = self.runner(f"input{index}", we - start)(*leaves)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out.narrow(self.io.input_time_dims[index], ws - start, we - ws).detach()
+
+    def output_window(self, args: Sequence[Optional[Tensor]], ckpts: Tensor, ws: int, we: int, T: int) -> list[Tensor]:
+        """The outputs' steps ``[ws, we)`` (of ``T``), recomputed without grad from this region's call
+        arguments (None: an input it recomputes itself) and the checkpoint stack its forward
+        exported: producers, scan and readout from the shard start at or before ``ws``."""
+        n_base = len(args) - self.n_extra
+        inputs, extras = args[:n_base], args[n_base:]
+        b = ws // self.shard_size * self.shard_size
+        lo, hi = self.window_of(b, we, T)
+        with torch.no_grad():
+            leaves = [x if d is None else self.remat_window(i, extras, lo, hi, T) if x is None else x.narrow(d, lo, hi - lo)
+                      for i, (x, d) in enumerate(zip(inputs, self.io.input_time_dims))]
+            outs = self.runner("producer", hi - lo)(*leaves)
+            a, u, h0, rs = self.split(_trim_all(list(outs) if isinstance(outs, (tuple, list)) else [outs],
+                                                self.io, b - lo, we - b))
+            h = _state_canon(h0, self.scan.rank) if b == 0 else ckpts[b // self.shard_size - 1]
+            ac, uc = self.canon_au(a, u)
+            hc = self.rec.scan(ac, uc, h, self.kernel_backend)
+            ys = self.run_readout(self.h_for_readout(hc), rs)
+        return [y.narrow(td, ws - b, we - ws) for y, td in zip(ys, self.io.output_time_dims)]
 
     # ---------------------------------------------------------------- per-shard pieces
 
@@ -404,15 +454,19 @@ class AdjointFunction(torch.autograd.Function):
         result = [o for o in outputs if o is not None]
         if io.final_state:
             result.append(_state_uncanon(h, sp.rank).clone())
+        # one tensor (shard k starts from row k-1), also exported when a later region chains from this one
+        stack = torch.stack(ckpts[1:]) if len(ckpts) > 1 else torch.empty(0, device=inputs[0].device)
+        if region.exports_checkpoints:
+            result.append(stack)
+            ctx.mark_non_differentiable(stack)
         ctx.region = region
         ctx.T = T
         ctx.n_inputs = len(inputs)
         ctx.n_extra = len(extras)
-        ctx.ckpt_present = [c is not None for c in ckpts]
-        remat = {i for i in region.remats if i < len(inputs)}
+        remat = {i for i in region.recomputed() if i < len(inputs)}
         ctx.remat_like = {i: (tuple(inputs[i].shape), inputs[i].dtype, inputs[i].device) for i in remat}
         kept = [None if i in remat else x for i, x in enumerate(inputs)]
-        ctx.save_for_backward(*kept, *extras, *[c for c in ckpts if c is not None])
+        ctx.save_for_backward(*kept, *extras, stack)
         return tuple(result)
 
     @staticmethod
@@ -421,8 +475,8 @@ class AdjointFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         inputs = list(saved[: ctx.n_inputs])
         extras = list(saved[ctx.n_inputs: ctx.n_inputs + ctx.n_extra])
-        ck_iter = iter(saved[ctx.n_inputs + ctx.n_extra:])
-        ckpts = [next(ck_iter) if p else None for p in ctx.ckpt_present]
+        stack = saved[ctx.n_inputs + ctx.n_extra]
+        ckpts = [None, *stack.unbind(0)]
         needs = ctx.needs_input_grad[1:]
         io, sp, T = region.io, region.scan, ctx.T
         n_out = len(io.output_time_dims)
@@ -449,7 +503,7 @@ class AdjointFunction(torch.autograd.Function):
                 if d is None:
                     leaves.append(static_leaves[i])
                 else:
-                    w = region.remat_window(i, extras, ws, we) if x is None else x.narrow(d, ws, we - ws).detach()
+                    w = region.remat_window(i, extras, ws, we, T) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             with torch.enable_grad():
                 outs = region.runner("producer", we - ws)(*leaves)
