@@ -93,7 +93,7 @@ def test_only_the_layer_input_and_checkpoints_are_saved():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = cm(x)
     region_saved = [t for t in saved if t.dim() == 3 and t.shape[-1] == 5 and t.shape[-2] == 4]
-    state_like = [t for t in saved if t.shape == (2, 5, 4)]
-    assert len(state_like) == 2  # checkpoints at steps 4 and 8 (12 steps, shards of 4)
-    assert not [t for t in saved if t.dim() == 4]  # no (B, T, N, P) tensor (u or h) is kept
+    stacked = [t for t in saved if t.shape == (2, 2, 5, 4)]
+    assert len(stacked) == 1  # the checkpoints at steps 4 and 8 (12 steps, shards of 4), one tensor
+    assert not [t for t in saved if t.dim() == 4 and t.shape[1] == 12]  # no (B, T, N, P) tensor (u or h) is kept
     del region_saved, out

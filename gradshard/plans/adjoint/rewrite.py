@@ -48,8 +48,7 @@ from gradshard.ir import Region, source_of
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
-from gradshard.plans.adjoint.chain import chain_layer_inputs
-from gradshard.plans.adjoint.donate import assign_gradient_donors
+from gradshard.plans.adjoint.links import assign_gradient_donors, chain_layer_inputs
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.reductions import split_time_reductions
