@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .capture import FRONTENDS, Captured, capture, capture_graph_module, guard_key, state_key
-from .errors import GradshardError
+from .errors import GradshardError, first_line
 from .fake import private_dispatch_cache
 from .ir import PassRecord, Region
 from .pipeline import (GraphSummary, PassContext, generated_sources, release_generated_sources, run_passes,
@@ -314,7 +314,7 @@ class CompiledModule(nn.Module):
                     self._probes.popitem(last=False)
         except GradshardError as exc:
             log.info("gradshard: the probe compile at T=%d was refused (%s); capturing at full length",
-                     probe, str(exc).splitlines()[0])
+                     probe, first_line(exc))
             self._refused_probes.add(p_key)
             return None
         return p_key

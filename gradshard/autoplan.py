@@ -29,7 +29,7 @@ import torch.nn as nn
 from gradshard.api import DEFAULT_CACHE_SIZE, CompiledGraph, CompiledModule
 from gradshard.cost import cost, devices, format_bytes, parse_bytes
 from gradshard.cost.inputs import find_input_axes
-from gradshard.errors import GradshardError
+from gradshard.errors import GradshardError, first_line
 from gradshard.plans import get_plan
 
 __all__ = ["AutoCompiledModule", "Candidate", "Choice", "Pricing", "Priced", "CANDIDATES", "choose_plan",
@@ -144,7 +144,7 @@ def price_candidates(target: nn.Module | Callable[..., Any], args: Sequence[Any]
             report = cost(target, cand.plan, example_inputs=tuple(args), device=device, time_axis=time_axis,
                           frontend=frontend, **cand.options)
         except GradshardError as exc:
-            priced.append(Priced(cand, refused=str(exc).splitlines()[0]))
+            priced.append(Priced(cand, refused=first_line(exc)))
             continue
         vals = report.evaluate(axes.seq_len, axes.batch_size)
         priced.append(Priced(cand, float(vals["peak_bytes"]), float(vals["time_s"]), report))

@@ -60,7 +60,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .errors import GradshardError, node_error
+from .errors import GradshardError, node_error, summary
 from .runtime.compiled import RegionGraphs, signature
 from .schedule import Program
 
@@ -208,8 +208,7 @@ class _CompiledStep:
             raise node_error(
                 self.first, f"{self.compiler_name} could not compile {self.record.name} "
                 f"({len(self.record.nodes)} nodes from `{self.record.nodes[0]}` to `{self.record.nodes[-1]}`): "
-                f"{type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}",
+                f"{summary(exc)}",
                 "compile with inductor=False (gs.compile) or gs.backend(..., inductor=False) to run this "
                 "segment eagerly", GradshardError) from exc
         self.compile_seconds += time.perf_counter() - t0

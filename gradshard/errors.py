@@ -6,7 +6,19 @@ import torch.fx as fx
 
 from .ir import source_of
 
-__all__ = ["GradshardError", "CaptureError", "UnsupportedGraphError", "node_error"]
+__all__ = ["GradshardError", "CaptureError", "UnsupportedGraphError", "node_error", "first_line", "summary"]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message; its type's name when the message is empty."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def summary(exc: BaseException) -> str:
+    """``"TypeName: first line"`` of ``exc`` (the type alone when the message is empty)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 class GradshardError(Exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from gradshard.errors import first_line
 from gradshard.analysis.locality import NoTimeAxisError, analyze_time_locality
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 
@@ -22,7 +23,7 @@ def annotate_time_locality(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if ctx.strict:
             raise
         ctx.analyses["time"] = None
-        return PassResult(gm, notes=(f"no time axis: {str(exc).splitlines()[0]}",))
+        return PassResult(gm, notes=(f"no time axis: {first_line(exc)}",))
     ctx.analyses["time"] = tl
     index = {n.name: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
     ctx.input_time_dims = {index[n]: d for n, d in tl.time_inputs.items() if n in index}

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from gradshard.errors import GradshardError
+from gradshard.errors import GradshardError, first_line
 from gradshard.ir import Region, source_of
 from gradshard.passes.detect_attention import detect_attention
 from gradshard.passes.detect_linear_attention import KIND as LINEAR_ATTENTION
@@ -58,7 +58,7 @@ def detect_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             # `partial_update`) run without them and say why in their notes.
             if ctx.strict:
                 raise
-            notes.append(f"detector {name} refused: {str(exc).splitlines()[0]}")
+            notes.append(f"detector {name} refused: {first_line(exc)}")
         except Exception as exc:
             raise GradshardError(
                 f"internal error in region detector {name!r}: {type(exc).__name__}: "

@@ -38,7 +38,7 @@ from torch.nn.utils import stateless
 
 from gradshard.capture.canonical import canonicalize
 from gradshard.capture.mutations import functionalize_buffer_updates
-from gradshard.errors import CaptureError
+from gradshard.errors import CaptureError, first_line, summary
 from gradshard.pipeline import TRACE_LOCK, forget_erased_nodes
 from gradshard.capture.substitutions import substitute_known_kernels
 
@@ -367,7 +367,7 @@ def _dynamo(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
     except Exception as exc:
         raise CaptureError(
             f"TorchDynamo could not capture {type(module).__name__} in one graph: "
-            f"{str(exc).splitlines()[0]}\n  instead: use frontend='python', or remove the graph "
+            f"{first_line(exc)}\n  instead: use frontend='python', or remove the graph "
             "break (data-dependent Python control flow) it names."
         ) from exc
     return gm
@@ -425,7 +425,7 @@ def _misplaced_inputs(state: Sequence[tuple[str, torch.Tensor]], call: tuple[tup
 def _explain_trace_failure(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else "?"
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n  at {where}"
+    return f"{summary(exc)}\n  at {where}"
 
 
 def capture(

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..capture import capture
-from ..errors import GradshardError
+from ..errors import GradshardError, first_line
 
 __all__ = ["InputAxes", "CostProbeError", "find_input_axes", "resize_inputs", "fake_clone", "real_clone",
            "tensor_leaves"]
@@ -74,7 +74,7 @@ def find_input_axes(target: Any, example_inputs: Sequence[Any], *, time_axis: tu
         cls, _ = infer_time_class(cap.gm, dims, time_axis)
     except NoTimeAxisError as exc:
         raise CostProbeError(
-            "gs.cost needs the sequence axis: " + str(exc).splitlines()[0] +
+            "gs.cost needs the sequence axis: " + first_line(exc) +
             "\n  instead: pass time_axis=(input_index, dim) to gs.cost") from exc
     phs = [p for p in cap.gm.graph.find_nodes(op="placeholder")][cap.num_state:]
     time = [dims.axes_in_class(p, cls) for p in phs]

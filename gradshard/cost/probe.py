@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..errors import summary
 from ..capture import capture, flatten_output
 from ..measure import LiveTensorTracker, SavedTensorRecorder, StepFlopCounter, record_saved  # gs.measure's instruments
 from .inputs import (CostProbeError, InputAxes, fake_clone, find_input_axes, real_clone, resize_inputs,
@@ -194,7 +195,7 @@ def run_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options:
     except Exception as exc:
         raise CostProbeError(
             f"plan {plan!r} could not run on fake tensors at batch={batch}, seq_len={seq_len}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n  why: the model or the "
+            f"{summary(exc)}\n  why: the model or the "
             "plan's runtime reads tensor values (e.g. boolean-mask indexing), which fake tensors do not have.\n"
             "  instead: pass probe_mode='real' to gs.cost (runs the small probe sizes for real), or make the "
             "value-dependent code a tensor op (torch.where)."

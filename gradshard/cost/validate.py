@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from gradshard.errors import GradshardError
+from gradshard.errors import GradshardError, summary
 from gradshard.cost.build import cost
 from gradshard.cost.probe import collector_held, make_step
 from gradshard.cost.report import CostReport, bisect_last
@@ -170,7 +170,7 @@ def plan_applies(factory: Factory, plan: str, options: Mapping[str, Any], seq_le
     try:
         gs_compile(target, plan, **options)(*inputs)
     except GradshardError as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        return summary(exc)
     return None
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 
 __all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "MAX_GRAPHS"]
@@ -89,8 +90,7 @@ class GraphVariants:
             fn = self.compiler(fresh_copy(self.gm), args)
         except Exception as exc:  # noqa: BLE001 - the eager graph computes the same values
             self.failures += 1
-            log.warning("gradshard: could not compile %s (%s: %s); running it eagerly", self.name,
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.warning("gradshard: could not compile %s (%s); running it eagerly", self.name, summary(exc))
             return self.gm
         self.compile_seconds += time.perf_counter() - t0
         log.info("gradshard: compiled %s in %.1f s", self.name, time.perf_counter() - t0)

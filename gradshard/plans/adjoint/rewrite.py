@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from gradshard.analysis.node_costs import node_cost
 from gradshard.analysis.effects import draws_random_numbers
-from gradshard.errors import UnsupportedGraphError, node_error
+from gradshard.errors import UnsupportedGraphError, node_error, summary
 from gradshard.ir import Region, source_of
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
@@ -262,7 +262,7 @@ def _check_values(gm: fx.GraphModule, facts: Any, tl: Any, plans: list[RegionPla
             values = _collect(short, plans, remats, tails, sliced)
             return short, CHECK_LEN, values, f"self-check on the example's first {CHECK_LEN} of {T} steps"
         except (RespecializeError, RuntimeError, KeyError) as exc:
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            reason = summary(exc)
             if T > VERIFY_MAX_LEN:
                 raise _Unchecked(f"self-check skipped: the graph does not re-specialise to {CHECK_LEN} steps "
                                  f"({reason}) and T={T} > {VERIFY_MAX_LEN}") from exc

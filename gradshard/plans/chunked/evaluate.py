@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
+from gradshard.errors import GradshardError, UnsupportedGraphError, node_error, summary
 from gradshard.plans.chunked.attention import AttentionStash, stash_slot
 from gradshard.plans.chunked.frames import SKIP, Demand, is_empty
 
@@ -184,7 +184,7 @@ class ChunkEvaluator:
                 raise
             except Exception as exc:
                 raise node_error(node, f"failed on steps {list(demand)} of chunk {self.index}: "
-                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                                 f"{summary(exc)}",
                                  "this op's time behaviour is not what gradshard assumed; please report it, "
                                  "and use plan='none' meanwhile") from exc
             for arg, smap in inputs:

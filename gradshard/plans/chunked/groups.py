@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from gradshard.errors import summary
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import default_run
 from gradshard.plans.chunked.rules_local import _cat_run, _expand_run, _reshape_run
@@ -190,8 +191,7 @@ class GroupRunner:
             fn = self.compiler(gm, list(vals))
         except Exception as exc:  # noqa: BLE001 - the per-node path computes the same values
             self.failed = True
-            log.warning("gradshard: could not compile %s (%s: %s); running it node by node", self.name,
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            log.warning("gradshard: could not compile %s (%s); running it node by node", self.name, summary(exc))
             return None
         self.compile_seconds += time.perf_counter() - t0
         return fn
