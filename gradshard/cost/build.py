@@ -131,7 +131,8 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
         scaled = scale
     if batched:  # batch 1 at the last round's lengths: the regime the batched fit extrapolates from
         notes_b1 = _fit_batch_one(exprs, fits, samples, probe_all, [(b, t * scaled) for b, t in fit_pts],
-                                  [(b, t * scaled) for b, t in check_pts], optimizer_states(optimizer))
+                                  [(b, t * scaled) for b, t in check_pts], optimizer_states(optimizer),
+                                  short=sorted({t for _, t in fit_pts + check_pts}) if scaled > 1 else [])
     compile_fits: dict[str, Fit] = {}
     compiles: list[CompileSample] = []
     if first_step:
@@ -235,7 +236,8 @@ def _with_derived(e: dict[str, sympy.Expr], states_per_param: float) -> dict[str
 
 def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: list[ProbeSample],
                    probe_all: Callable[[Sequence[tuple[int, int]]], None], fit_pts: Sequence[tuple[int, int]],
-                   check_pts: Sequence[tuple[int, int]], states_per_param: float) -> list[str]:
+                   check_pts: Sequence[tuple[int, int]], states_per_param: float,
+                   short: Sequence[int] = ()) -> list[str]:
     """Price batch 1 from batch-1 probes where the batched fit does not reproduce it.
 
     The fit probes batches 2 and 3 (:func:`probe_points`): at batch 1 a reshape of a
@@ -244,7 +246,12 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
     longest fit length of the batched fit's last round) checks it; when any quantity differs
     there, batch 1 is probed at those fit and check lengths and that quantity becomes
     ``Piecewise((batch-1 fit, B = 1 and T >= its shortest probe), (batched fit, True))``.
-    Changes ``exprs`` and ``fits`` in place; returns the notes to report.
+    ``short``: the batched fit's first-round lengths when it needed longer rounds; a quantity
+    that changed is then probed at batch 1 there too, and a fit of those probes (exact, or
+    within the linear tolerance and exact on its two longest) prices batch 1 from the shortest
+    of them up to the longer batch-1 probes: there neither the batched fit nor the longer
+    batch-1 fit extrapolated down holds on every model. Changes ``exprs`` and ``fits`` in place; returns
+    the notes to report.
     """
     lengths = sorted({t for _, t in fit_pts})
     probe_all([(1, lengths[-1])])  # the longest: the regime the batched fit extrapolates from
@@ -273,15 +280,31 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
     # below the batch-1 probes the batch-1 fit would extrapolate a short-sequence floor: the
     # batched fit, probed there, prices batch 1 at those lengths
     shortest = min(s.seq_len for s in ones)
+    below = sorted(set(short))
+    shorts_fit: dict[str, sympy.Expr] = {}
+    if changed and len(below) >= 3 and below[0] < shortest:
+        probe_all([(1, t) for t in below])
+        shorts = [s for s in samples if s.batch == 1 and s.seq_len in below]
+        exprs_s, fits_s = _fit_samples(shorts, states_per_param)
+        ends = sorted(shorts, key=lambda s: s.seq_len)[-2:]
+        shorts_fit = {q: exprs_s[q] for q in changed if q in fits_s and (fits_s[q].exact or (
+            fits_s[q].max_rel_error <= LINEAR_TOLERANCE
+            and all(_value(exprs_s[q], 1, s.seq_len) == _sample_values(s)[q] for s in ends)))}
+        for q in shorts_fit:
+            fits[f"{q} (batch 1, T < {shortest})"] = fits_s[q]
     for q in changed:
-        exprs[q] = sympy.Piecewise((exprs1[q], sympy.And(sympy.Eq(B, 1), T >= shortest)), (exprs[q], True))
+        pieces = [(exprs1[q], sympy.And(sympy.Eq(B, 1), T >= shortest))]
+        if q in shorts_fit:
+            pieces.append((shorts_fit[q], sympy.And(sympy.Eq(B, 1), T >= below[0])))
+        exprs[q] = sympy.Piecewise(*pieces, (exprs[q], True))
         fits[f"{q} (batch 1)"] = fits1[q]
     exprs.update(_with_derived({q: exprs[q] for q in [*fits1, "param_bytes"] if q in exprs}, states_per_param))
-    at = ", ".join(str(t) for t in sorted({s.seq_len for s in ones}))
+    at = ", ".join(str(t) for t in sorted({s.seq_len for s in samples if s.batch == 1}))
     notes = []
     if changed:
         notes.append(f"batch 1 runs another op sequence than batches >= 2: {', '.join(changed)} priced from "
-                     f"batch-1 probes at seq_len = {at}")
+                     f"batch-1 probes at seq_len = {at}"
+                     + (f" ({', '.join(shorts_fit)} from its own fit below {shortest})" if shorts_fit else ""))
     if kept:
         worst = max(abs(_value(exprs[q], 1, s.seq_len) - v) / max(v, 1)
                     for s in ones for q, v in _sample_values(s).items() if q in kept)
