@@ -227,3 +227,13 @@ def test_traced_causal_mask_becomes_is_causal_under_seco() -> None:
     hoisted = [n for n in plan_notes if n.startswith("hoisted")]
     program = cm.current.ctx.analyses["chunks"]
     assert all(len(program.rules[h].frame) <= 1 for h in program.hoisted), hoisted
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_recomputed_layer_inputs_are_exact(family: str) -> None:
+    """``recompute_layer_inputs=True``: layer 1 reruns layer 0 (transformers' own code) per
+    backward window instead of keeping its input; the gradient does not change."""
+    model, config = build(family, attn="sdpa", fp64_loss=False)
+    err, cm = _compare(model, config, "adjoint", options={"shard_size": 8, "recompute_layer_inputs": True})
+    assert err <= _tolerance(family, "sdpa"), err
+    assert "is recomputed in the backward from adjoint_0" in cm.explain(), cm.explain()
