@@ -68,20 +68,15 @@ def chain_layer_inputs(gm: fx.GraphModule) -> list[str]:
                     exported[scall] = gm.graph.call_function(operator.getitem, (scall, k))
                 exported[scall].meta = {"val": None, "stack_trace": scall.meta.get("stack_trace")}
             ck = exported[scall]
-            passed = [a for t, a in enumerate(scall.args[:s_base]) if t not in source.recomputed()]
-            extra0 = len(call.args) - n_base
-            slots, p = [], 0
-            for t in range(s_base):
-                if t in source.recomputed():
-                    slots.append(None)
-                else:
-                    slots.append(extra0 + p)
-                    p += 1
-            s_extras = list(scall.args[s_base:])
-            extra_slots = tuple(range(extra0 + p, extra0 + p + len(s_extras)))
-            call.args = (*call.args, *passed, *s_extras, ck)
-            mod.n_extra += len(passed) + len(s_extras) + 1
-            mod.chained[i] = ChainedInput(i, source, j, tuple(slots), extra_slots, extra0 + p + len(s_extras))
+            # the source's arguments follow this region's own extras: its kept inputs, its extras, the stack
+            kept = [t for t in range(s_base) if t not in source.recomputed()]
+            first = len(call.args) - n_base + len(kept)
+            s_extras = scall.args[s_base:]
+            call.args = (*call.args, *(scall.args[t] for t in kept), *s_extras, ck)
+            mod.n_extra += len(kept) + len(s_extras) + 1
+            slots = tuple(first - len(kept) + kept.index(t) if t in kept else None for t in range(s_base))
+            mod.chained[i] = ChainedInput(i, source, j, slots, tuple(range(first, first + len(s_extras))),
+                                          first + len(s_extras))
             notes.append(f"{mod.region_name}: input `{x.name}` is recomputed in the backward from {source.region_name} "
                          f"(its forward rerun per window from its state checkpoints), not kept")
     return notes
