@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch.fx as fx
 
-from gradshard.errors import GradshardError, first_line
+from gradshard.errors import GradshardError, first_line, summary
 from gradshard.ir import Region, source_of
 from gradshard.passes.detect_attention import detect_attention
 from gradshard.passes.detect_linear_attention import KIND as LINEAR_ATTENTION
@@ -61,8 +61,7 @@ def detect_regions(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             notes.append(f"detector {name} refused: {first_line(exc)}")
         except Exception as exc:
             raise GradshardError(
-                f"internal error in region detector {name!r}: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
+                f"internal error in region detector {name!r}: {summary(exc)}\n"
                 "  instead: please report this graph (`gradshard show` prints it); no plan can run "
                 "until the detector is fixed") from exc
     if tl is not None:

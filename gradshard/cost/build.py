@@ -270,15 +270,10 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
         exprs1, fits1 = _fit_samples(ones, states_per_param)
     grid = sorted({s.seq_len for s in ones} | {2**k for k in range(10, 25, 2)})
     differ = [q for q in fits1 if q in exprs and any(_value(exprs[q], 1, t) != _value(exprs1[q], 1, t) for t in grid)]
-    # a batch-1 fit that misses its longest probes would extrapolate worse than the batched one
-    longest = sorted(ones, key=lambda s: s.seq_len)[-2:]
-    good = {q for q in differ if fits1[q].exact or (
-        fits1[q].max_rel_error <= LINEAR_TOLERANCE
-        and all(_value(exprs1[q], 1, s.seq_len) == _sample_values(s)[q] for s in longest))}
-    changed = [q for q in differ if q in good]
-    kept = [q for q in differ if q not in good]
-    # below the batch-1 probes the batch-1 fit would extrapolate a short-sequence floor: the
-    # batched fit, probed there, prices batch 1 at those lengths
+    changed = [q for q in differ if _holds(q, exprs1, fits1, ones)]
+    kept = [q for q in differ if q not in changed]
+    # below the batch-1 probes the batch-1 fit would extrapolate a short-sequence floor: batch 1
+    # is priced there by its own fit at the short lengths where that holds, else by the batched fit
     shortest = min(s.seq_len for s in ones)
     below = sorted(set(short))
     shorts_fit: dict[str, sympy.Expr] = {}
@@ -286,10 +281,7 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
         probe_all([(1, t) for t in below])
         shorts = [s for s in samples if s.batch == 1 and s.seq_len in below]
         exprs_s, fits_s = _fit_samples(shorts, states_per_param)
-        ends = sorted(shorts, key=lambda s: s.seq_len)[-2:]
-        shorts_fit = {q: exprs_s[q] for q in changed if q in fits_s and (fits_s[q].exact or (
-            fits_s[q].max_rel_error <= LINEAR_TOLERANCE
-            and all(_value(exprs_s[q], 1, s.seq_len) == _sample_values(s)[q] for s in ends)))}
+        shorts_fit = {q: exprs_s[q] for q in changed if q in fits_s and _holds(q, exprs_s, fits_s, shorts)}
         for q in shorts_fit:
             fits[f"{q} (batch 1, T < {shortest})"] = fits_s[q]
     for q in changed:
@@ -311,6 +303,14 @@ def _fit_batch_one(exprs: dict[str, sympy.Expr], fits: dict[str, Fit], samples: 
         notes.append(f"batch 1 differs from the batched fit in {', '.join(kept)} (up to {worst:.1%} at the batch-1 "
                      f"probes, seq_len = {at}) and is not a polynomial there: the batched fit is kept")
     return notes
+
+
+def _holds(q: str, exprs: dict[str, sympy.Expr], fits: dict[str, Fit], ones: Sequence[ProbeSample]) -> bool:
+    """A batch-1 fit of ``q`` to trust: exact, or within the linear tolerance and exact on its two
+    longest probes (a fit that misses those would extrapolate worse than the batched one)."""
+    longest = sorted(ones, key=lambda s: s.seq_len)[-2:]
+    return fits[q].exact or (fits[q].max_rel_error <= LINEAR_TOLERANCE
+                             and all(_value(exprs[q], 1, s.seq_len) == _sample_values(s)[q] for s in longest))
 
 
 def _sample_values(s: ProbeSample) -> dict[str, int]:

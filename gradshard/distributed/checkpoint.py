@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
-from gradshard.errors import GradshardError
+from gradshard.errors import GradshardError, summary
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -197,11 +197,10 @@ def read_checkpoint(path: str | os.PathLike) -> VerifiedCheckpoint:
         try:
             envelope = torch.load(f, map_location="cpu", weights_only=True)
         except _UNREADABLE as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise CheckpointError(
                 f"checkpoint {path} cannot be read ({size} bytes): it is "
                 f"truncated, damaged or not a torch checkpoint (torch.load: "
-                f"{type(exc).__name__}: {first}). Resume from an earlier checkpoint."
+                f"{summary(exc)}). Resume from an earlier checkpoint."
             ) from exc
     if not isinstance(envelope, dict) or envelope.get("format") != CHECKPOINT_FORMAT:
         found = envelope.get("format") if isinstance(envelope, dict) else type(envelope).__name__

@@ -54,7 +54,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gradshard.analysis.dims import shape_of
-from gradshard.errors import GradshardError
+from gradshard.errors import GradshardError, first_line
 from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
@@ -276,12 +276,8 @@ def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: di
                 _note(cm, f"re-specialised to {_describe(probe)}, the kept graph's values differ from a capture there")
             return same
     except Exception as exc:  # noqa: BLE001 - any failure means: capture at the call's length
-        _note(cm, f"the cross-check at {_describe(probe)} failed ({_first_line(exc)})")
+        _note(cm, f"the cross-check at {_describe(probe)} failed ({first_line(exc)})")
         return False
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _note(cm: Any, why: str) -> None:
@@ -365,7 +361,7 @@ def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
                 served = _served_entry(cm, entry, lg, args, kwargs, sizes)
         except (RespecializeError, GradshardError) as exc:
             # a refusal at the new length is reported by the capture at that length, if it stands
-            _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: {_first_line(exc)}")
+            _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: {first_line(exc)}")
             continue
         log.info("gradshard: serving %s from the graph captured at %s (no new capture)", _describe(sizes),
                  _describe(lg.sizes()))

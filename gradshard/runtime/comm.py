@@ -37,6 +37,8 @@ from typing import Any, Iterator
 import torch
 from torch.distributed import ReduceOp
 
+from gradshard.errors import first_line
+
 __all__ = [
     "CommCounter",
     "CommError",
@@ -243,7 +245,7 @@ class Communicator:
                 f"timeout of {self.resolve_timeout():g} s (the group's own timeout may be shorter)"
             )
         else:
-            why = f"the backend reported: {text.splitlines()[0] if text else type(exc).__name__}"
+            why = f"the backend reported: {first_line(exc)}"
         if waited_s is None:
             head = f"rank {self.rank} could not post the operation {what}"
         else:
