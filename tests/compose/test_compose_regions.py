@@ -51,7 +51,10 @@ def test_adjoint_regions_compile_their_graphs_once_per_length_and_mode() -> None
     assert regions and all(r.graphs.compiler is aot_eager for r in regions)
     for r in regions:
         keys = set(r.graphs._graphs)
-        assert ("producer", 4 + r.io.halo[0]) in keys or ("producer", 4) in keys
+        # the producers per window length and trim: the first shard's window has no left halo
+        halo = r.io.halo[0]
+        assert ("producer", 4, 0, 4) in keys and ("producer", 4 + halo, halo, 4) in keys
+        assert ("producer", 3 + halo, halo, 3) in keys  # the ragged last shard
         assert ("readout", 4) in keys and ("readout", 3) in keys  # full and ragged shards
         # forward (no grad) and backward recompute (grad) of each graph, and for the readout the
         # layouts of its trimmed inputs (the first window has no left halo): at most four variants
@@ -192,3 +195,26 @@ def test_inductor_compiles_region_graphs_exactly() -> None:
     assert "compiled by Inductor" in region.graphs.describe()
     for g in region.graphs._graphs.values():  # every variant is compiled code, not the graph
         assert all(fn is not g.gm and not isinstance(fn, torch.fx.GraphModule) for fn in g.variants.values())
+
+
+def test_compiled_producers_trim_their_outputs_inside_the_graph() -> None:
+    # a conv: each shard's producers run on a window of 2 + 4 steps; u = b x^T is state-sized
+    model = init_like_training(DiagonalSSM(d=6, n=3, heads=2, layers=1, conv=True, scan="gradshard"))
+    x = _x(1, 11, 6)
+    cm = assert_exact(model, (x,), "adjoint", shard_size=4)
+    (region,) = _regions(cm, AdjointRegion)
+    windowed: list = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() == 5 and out.shape[1] == 6:  # states of a window
+                windowed.append(func)
+            return out
+
+    loss = cm(x.clone().requires_grad_(True)).square().sum()
+    with Watch():
+        loss.backward()
+    # trimmed outside the compiled graph, autograd zero-filled a window-sized gradient of u per shard
+    assert not windowed, windowed
+    assert all(len(k) == 4 for k in region.graphs._graphs if k[0] == "producer")

@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
+from gradshard.pipeline import copy_graph
 from gradshard.runtime.compiled import GraphCompiler, RegionGraphs
 
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
@@ -176,10 +177,35 @@ def _trim(x: Tensor, dim: Optional[int], merged: Optional[tuple[int, int]], star
     return x.unflatten(dim, (outer, -1, inner)).narrow(dim + 1, start, length).flatten(dim, dim + 2)
 
 
-def _trim_all(outs: Sequence[Any], io: RegionIO, start: int, length: int) -> list[Any]:
+def _step_major(x: Tensor, td: int) -> Tensor:
+    """``x`` dense in step order (each step's slice one contiguous block), as the scan reads it."""
+    return x.contiguous() if td == 1 or x.dim() < 2 else x.movedim(td, 1).contiguous().movedim(1, td)
+
+
+def shard_producers(gm: fx.GraphModule, io: RegionIO, scan: ScanSpec, start: int, length: int) -> fx.GraphModule:
+    """``gm`` (the producers on a window) with its outputs trimmed to the window's steps ``[start,
+    start + length)`` and the scan's operands ``a``, ``u`` laid out dense in step order, inside the
+    graph. Compiled, the backward then pads the trimmed outputs' gradients inside its own kernels
+    (a state-sized output such as an outer product ``x B^T`` gets no gradient buffer at the window's
+    length, zero-filled and copied into, per shard), and the scan's step-ordered gradient of ``u``
+    is not copied into another layout (Inductor keeps an output's eager strides: Mamba-2's ``u``
+    comes out heads-major).
+    """
+    graph = copy_graph(gm)
+    out = next(n for n in graph.nodes if n.op == "output")
+    single = not isinstance(out.args[0], (tuple, list))
+    vals = [out.args[0]] if single else list(out.args[0])
     merged = io.producer_merged or (None,) * len(io.producer_time_dims)
-    return [None if o is None else _trim(o, d, m, start, length)
-            for o, d, m in zip(outs, io.producer_time_dims, merged)]
+    with graph.inserting_before(out):
+        for i, (v, d, m) in enumerate(zip(vals, io.producer_time_dims, merged)):
+            if not isinstance(v, fx.Node) or d is None:
+                continue
+            v = graph.call_function(_trim, (v, d, m, start, length))
+            if i == 1 or (i == 0 and scan.has_a and d == scan.time_dim):  # u; a with u's rank
+                v = graph.call_function(_step_major, (v, scan.time_dim))
+            vals[i] = v
+    out.args = (vals[0] if single else tuple(vals),)
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 # --------------------------------------------------------------------------- the region module
@@ -209,7 +235,7 @@ class AdjointRegion(nn.Module):
         self.window = window
         self.describe = describe
         self.costs = dict(costs or {})
-        self._cache: dict[tuple[str, int], fx.GraphModule] = {}
+        self._cache: dict[tuple, fx.GraphModule] = {}
         self.rec = recurrence_for(scan.kind)
         self.kernel_backend: Optional[str] = None  # set by the lower_kernels pass
         self.remats = {r.index: r for r, _ in remats}
@@ -235,6 +261,19 @@ class AdjointRegion(nn.Module):
     def runner(self, which: str, length: int) -> Any:
         """What runs graph ``which`` on ``length`` steps: the graph, or its compiled variants."""
         return self.graphs.get((which, length), lambda: self.graph_for(which, length))
+
+    def producers_on(self, length: int, start: int, steps: int) -> Any:
+        """What runs the producers on a ``length``-step window, their outputs trimmed to the window's
+        steps ``[start, start + steps)`` (:func:`shard_producers`)."""
+        return self.graphs.get(("producer", length, start, steps), lambda: self._trimmed_producer(length, start, steps))
+
+    def _trimmed_producer(self, length: int, start: int, steps: int) -> fx.GraphModule:
+        key = ("producer", length, start, steps)
+        g = self._cache.get(key)
+        if g is None:
+            g = shard_producers(self.graph_for("producer", length), self.io, self.scan, start, steps)
+            self._cache[key] = g
+        return g
 
     def forget_lengths(self) -> None:
         """Drop the graphs re-specialised so far (the compile's check lengths; each holds a
@@ -302,9 +341,8 @@ class AdjointRegion(nn.Module):
         with torch.no_grad():
             leaves = [x if d is None else self.remat_window(i, extras, lo, hi, T) if x is None else x.narrow(d, lo, hi - lo)
                       for i, (x, d) in enumerate(zip(inputs, self.io.input_time_dims))]
-            outs = self.runner("producer", hi - lo)(*leaves)
-            a, u, h0, rs = self.split(_trim_all(list(outs) if isinstance(outs, (tuple, list)) else [outs],
-                                                self.io, b - lo, we - b))
+            outs = self.producers_on(hi - lo, b - lo, we - b)(*leaves)
+            a, u, h0, rs = self.split(list(outs) if isinstance(outs, (tuple, list)) else [outs])
             h = _state_canon(h0, self.scan.rank) if b == 0 else ckpts[b // self.shard_size - 1]
             ac, uc = self.canon_au(a, u)
             hc = self.rec.scan(ac, uc, h, self.kernel_backend)
@@ -317,9 +355,8 @@ class AdjointRegion(nn.Module):
         """Producer outputs trimmed to ``[s, e)`` and the window inputs they were computed from."""
         ws, we = self.window_of(s, e, T)
         win = [_narrow(x, d, ws, we - ws) if d is not None else x for x, d in zip(inputs, self.io.input_time_dims)]
-        outs = self.runner("producer", we - ws)(*win)
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        return _trim_all(outs, self.io, s - ws, e - s), win
+        outs = self.producers_on(we - ws, s - ws, e - s)(*win)
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs], win
 
     def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
         return prod[0], prod[1], prod[2], prod[3:]
@@ -506,9 +543,8 @@ class AdjointFunction(torch.autograd.Function):
                     w = region.remat_window(i, extras, ws, we, T) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             with torch.enable_grad():
-                outs = region.runner("producer", we - ws)(*leaves)
-                outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-                prod = _trim_all(outs, io, s - ws, e - s)
+                outs = region.producers_on(we - ws, s - ws, e - s)(*leaves)
+                prod = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             a, u, h0, rs = region.split(prod)
             h_start = ckpts[k] if k > 0 else _state_canon(h0, sp.rank)
             h_start_d = None if h_start is None else h_start.detach()
