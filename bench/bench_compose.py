@@ -17,6 +17,9 @@ with ``gs.measure`` after a warm-up step that captures and compiles:
   run per shard or chunk (adjoint: producer/readout/tail graphs; seco: runs of local nodes, with
   each chunk's attention output kept for its backward);
 - ``gs_adjoint_eager`` / ``gs_seco_eager``: the same plans with ``inductor=False`` (what ran before);
+- ``gs_truncated`` / ``gs_spaco`` / ``gs_partial`` (named with ``--methods``): plans
+  ``truncated_adjoint`` (window 1024), ``spaco`` (budget 8 chunks) and ``partial_update`` (a quarter
+  of the MLP and attention projections per step), with Inductor;
 - ``gs_adjoint_recompute``: ``gs_adjoint`` with ``recompute_layer_inputs=True`` (every other layer's
   input recomputed from the layer before it, not kept);
 - ``backend_none`` / ``backend_adjoint`` / ``backend_seco``:
@@ -66,8 +69,12 @@ HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
 MODELS = ("ssm", "mingru", "llama", "hf_llama", "hf_mamba2")
 RECURRENT = ("ssm", "mingru", "hf_mamba2")  # adjoint rows; the others get seco rows
 METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager",
-           "gs_adjoint_recompute", "gs_seco", "gs_seco_eager", "backend_none", "backend_adjoint", "backend_seco")
-DEFAULT_METHODS = METHODS
+           "gs_adjoint_recompute", "gs_truncated", "gs_seco", "gs_seco_eager", "gs_spaco", "gs_partial",
+           "backend_none", "backend_adjoint", "backend_seco")
+#: the rows of a plain run: every method but the plans' extra variants, which ``--methods`` names
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("gs_truncated", "gs_spaco", "gs_partial"))
+#: gs_<name> -> plan, for the plans whose method name is not the plan's
+PLAN_OF = {"gs_truncated": "truncated_adjoint", "gs_partial": "partial_update"}
 
 
 def parse_len(s: str) -> int:
@@ -198,9 +205,11 @@ def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, 
 
 
 def applies(method: str, model: str) -> bool:
-    if "adjoint" in method:
+    """The adjoint plans run on the recurrent models; seco, spaco and partial updates (which slice MLP
+    and attention projections) on the attention models."""
+    if "adjoint" in method or method == "gs_truncated":
         return model in RECURRENT
-    if "seco" in method:
+    if "seco" in method or method in ("gs_spaco", "gs_partial"):
         return model not in RECURRENT
     return True
 
@@ -240,7 +249,8 @@ def checkpoint_layers(model: nn.Module) -> nn.Module:
 
 def runner(method: str, model: nn.Module, *, shard: int, chunk: int) -> tuple[Callable[..., Any], str]:
     """``(run, label)`` for ``method``; ``run(ids) -> logits``."""
-    opts = {"adjoint": {"shard_size": shard}, "seco": {"chunk_size": chunk}, "none": {}}
+    opts = {"adjoint": {"shard_size": shard}, "truncated_adjoint": {"shard_size": shard, "window": 1024},
+            "seco": {"chunk_size": chunk}, "spaco": {"chunk_size": chunk}, "none": {}, "partial_update": {}}
     if method == "eager":
         return model, "eager"
     if method == "ckpt":
@@ -252,7 +262,7 @@ def runner(method: str, model: nn.Module, *, shard: int, chunk: int) -> tuple[Ca
         return (gs.compile(model, plan="adjoint", inductor=True, recompute_layer_inputs=True, **opts["adjoint"]),
                 "gs.compile(plan='adjoint', inductor=True, recompute_layer_inputs=True)")
     if method.startswith("gs_"):
-        plan = method.split("_")[1]
+        plan = PLAN_OF.get(method, method.split("_")[1])
         inductor = not method.endswith("_eager")
         return (gs.compile(model, plan=plan, inductor=inductor, **opts[plan]),
                 f"gs.compile(plan={plan!r}, inductor={inductor})")
