@@ -27,9 +27,10 @@ With no compiler set the region runs its graphs eagerly, as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -37,7 +38,8 @@ import torch.fx as fx
 from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 
-__all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "MAX_GRAPHS"]
+__all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "forgetting_new_lengths",
+           "MAX_GRAPHS"]
 
 #: ``compiler(gm, example_inputs) -> callable`` taking the graph's inputs unboxed (the
 #: ``SegmentCompiler`` protocol of :mod:`gradshard.compose`).
@@ -159,6 +161,20 @@ class RegionGraphs:
 
     def __getstate__(self) -> dict:
         return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False}
+
+
+@contextlib.contextmanager
+def forgetting_new_lengths(gm: torch.nn.Module) -> Iterator[None]:
+    """The graphs ``gm``'s regions re-specialise inside the block are dropped when it ends (regions
+    with ``length_keys()`` / ``forget_lengths(keep=...)``): a check run at a probe length is not a
+    length calls use, and each such graph is a copy the module would keep for good."""
+    mods = [m for m in gm.modules() if callable(getattr(m, "length_keys", None))]
+    before = [m.length_keys() for m in mods]
+    try:
+        yield
+    finally:
+        for m, keys in zip(mods, before):
+            m.forget_lengths(keep=keys)
 
 
 def _key_name(key: Hashable) -> str:

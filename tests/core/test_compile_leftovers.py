@@ -147,3 +147,18 @@ def test_a_structured_output_does_not_keep_the_traced_forward_alive() -> None:
     (out.logits.sum() + out.extras["pair"][1] + out.cache.states[0].sum()).backward()
     assert out.cache.seen == 1 and out.extras["pair"][0].shape == (1, 1, out.logits.shape[-1])
     assert _traced_fakes_with_history() == before
+
+
+def test_a_length_check_leaves_no_region_graphs_at_its_length() -> None:
+    """A first call at T=300 is served from the program compiled at the 67-step probe after a
+    check one step longer (T=68: shards of 64 and 4 steps). The graphs the regions re-specialised
+    for the check are copies nothing runs again: only the call's own shard lengths stay."""
+    model, (ids,) = factories.ssm(seq_len=300, batch=1, d_model=16, n_layers=2)
+    cm = gs.compile(model, plan="adjoint", shard_size=64)
+    cm(ids).float().mean().backward()
+    assert "re-specialised (no new capture)" in cm.explain()
+    regions = [m for root in cm._kept_graph_modules() for m in root.modules()
+               if callable(getattr(m, "length_keys", None))]
+    assert len(regions) >= 3  # two recurrences and the tail
+    lengths = {key[1] if isinstance(key, tuple) else key for r in regions for key in r.length_keys()}
+    assert lengths == {64, 300 % 64}

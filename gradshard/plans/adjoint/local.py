@@ -29,7 +29,7 @@ denominator. Exact up to the order of the sum.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -94,10 +94,15 @@ class LocalSegment(nn.Module):
         """What runs the subgraph on ``length`` steps: the graph, or its compiled variants."""
         return self.graphs.get(length, lambda: self.graph_for(length))
 
-    def forget_lengths(self) -> None:
-        """Drop the graphs re-specialised so far (the compile's check lengths; each holds a
-        copy of the graph): later calls re-specialise to the lengths they use."""
-        self._cache.clear()
+    def length_keys(self) -> set:
+        """The keys of the graphs re-specialised so far."""
+        return set(self._cache)
+
+    def forget_lengths(self, keep: Collection = ()) -> None:
+        """Drop the graphs re-specialised so far but those in ``keep`` (the compile's check lengths;
+        each holds a copy of the graph): later calls re-specialise to the lengths they use."""
+        for key in [k for k in self._cache if k not in keep]:
+            del self._cache[key]
 
     def graph_for(self, length: int) -> fx.GraphModule:
         """The subgraph re-specialised to ``length`` steps (cached)."""

@@ -36,7 +36,7 @@ signature (:mod:`gradshard.runtime.compiled`), the backward recompute's variant 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -270,15 +270,22 @@ class AdjointRegion(nn.Module):
     def _trimmed_producer(self, length: int, start: int, steps: int) -> fx.GraphModule:
         key = ("producer", length, start, steps)
         g = self._cache.get(key)
-        if g is None:
-            g = shard_producers(self.graph_for("producer", length), self.io, self.scan, start, steps)
+        if g is None:  # the untrimmed graph at this length is not kept: nothing runs it
+            base = (self.producer if length == self.io.captured_len else
+                    respecialize(self.producer, self.facts, self.io.captured_len, length, keep_values=False))
+            g = shard_producers(base, self.io, self.scan, start, steps)
             self._cache[key] = g
         return g
 
-    def forget_lengths(self) -> None:
-        """Drop the graphs re-specialised so far (the compile's check lengths; each holds a
-        copy of the graph): later calls re-specialise to the lengths they use."""
-        self._cache.clear()
+    def length_keys(self) -> set:
+        """The keys of the graphs re-specialised so far."""
+        return set(self._cache)
+
+    def forget_lengths(self, keep: Collection = ()) -> None:
+        """Drop the graphs re-specialised so far but those in ``keep`` (the compile's check lengths;
+        each holds a copy of the graph): later calls re-specialise to the lengths they use."""
+        for key in [k for k in self._cache if k not in keep]:
+            del self._cache[key]
 
     def graph_for(self, which: str, length: int) -> fx.GraphModule:
         """The producer or readout graph re-specialised to ``length`` steps (cached)."""
