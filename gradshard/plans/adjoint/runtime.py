@@ -9,7 +9,8 @@ A region (built by ``rewrite_adjoint``) is three pieces cut from the captured gr
 
 Forward (``plan="adjoint"`` and ``"truncated_adjoint"``), shard by shard without autograd::
 
-    for each shard [s, e):  producers on x[s-halo : e+halo] -> a, u, r (trimmed to the shard)
+    for each shard [s, e):  producers on x[s-halo : e+halo] -> a, u, r (trimmed to the shard
+                            inside the producer graph: :func:`shard_producers`)
                             h = scan(a, u, from the state at s-1) -> y[s:e] = readout(h, r)
     saved: x, the parameters' references, and h at every shard boundary (T/shard states)
 
