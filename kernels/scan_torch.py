@@ -17,6 +17,12 @@ zeros and values of any sign):
 That is about ``2C + n + (T mod C) <= 3.9 sqrt(T)`` vectorised steps instead of ``T``, and each
 step applies exactly the recurrence's own multiply-add, so the result equals the naive loop up
 to rounding (float64: relative error ~1e-15).
+
+When ``a`` is much smaller than ``u`` (broadcast over state dims, e.g. one decay per head over a
+``head_dim x d_state`` state), step 4 is one vectorised op instead of ``C``: the local pass writes
+into the output, and since the recurrence is linear, ``h_t = local_t + (a_{c0} ... a_t) h_{c0-1}``
+inside a chunk starting at ``c0`` -- the running products ``cumprod(a)`` over each chunk are
+``a``-sized, so cheap, and multiply (never divide). About ``C + n`` steps plus one pass.
 """
 
 from __future__ import annotations
@@ -63,6 +69,33 @@ def _recur_cast(a: list[torch.Tensor], u: list[torch.Tensor], h: torch.Tensor, o
     return h
 
 
+#: ``a`` counts as small (the fix-up form) when ``u`` has at least this many times its elements
+_SMALL_A = 4
+
+
+def _scan_chunks_fixup(av: torch.Tensor, ov: torch.Tensor, a_steps: list[torch.Tensor], u_steps: list[torch.Tensor],
+                       h: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """Chunks ``(b, n, C, *s)`` scanned into ``ov`` from state ``h`` by the fix-up form (module doc):
+    the local pass from zero straight into ``ov``, the carry pass over the chunk summaries, then
+    ``ov += cumprod(a) * (state entering the chunk)`` in one op. Returns the state after the last chunk."""
+    batch, n, chunk = ov.shape[:3]
+    steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
+    zero = torch.zeros((batch, n, *ov.shape[3:]), dtype=ov.dtype, device=ov.device)
+    last = _recur(a_steps, u_steps, zero, _steps_of(ov, 2, steps))  # each chunk's local final state
+    prods = torch.prod(av, dim=2)
+    prods = prods.expand(prods.shape[0], n, *prods.shape[2:])
+    carries = torch.empty((batch, n + 1, *ov.shape[3:]), dtype=ov.dtype, device=ov.device)
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    cv = carries.unbind(1)
+    cv[n if reverse else 0].copy_(h)
+    _recur(_steps_of(prods, 1, order), _steps_of(last, 1, order), cv[n if reverse else 0],
+           [cv[c] for c in order] if reverse else [cv[c + 1] for c in order])
+    starts = carries[:, 1:] if reverse else carries[:, :n]  # the state entering each chunk
+    running = av.flip(2).cumprod(2).flip(2) if reverse else av.cumprod(2)
+    ov.addcmul_(running, starts.unsqueeze(2))
+    return carries[:, 0] if reverse else carries[:, n]
+
+
 def scan_torch(
     a: torch.Tensor,
     u: torch.Tensor,
@@ -100,7 +133,10 @@ def scan_torch(
         ov = out[:, main:main + n * chunk].view(batch, n, chunk, *state)  # a view: writes land in out
         steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
         a_steps, u_steps = _steps_of(av, 2, steps), _steps_of(uv, 2, steps)
-        if n == 1:
+        fixup = n > 1 and out_dtype == acc and a.numel() * _SMALL_A <= u.numel()
+        if fixup:
+            h = _scan_chunks_fixup(av, ov, a_steps, u_steps, h, reverse)
+        elif n == 1:
             starts = h.unsqueeze(1)
         else:
             # local pass: the recurrence from zero inside every chunk, ping-ponging two buffers
@@ -116,10 +152,10 @@ def scan_torch(
             _recur(_steps_of(prods, 1, order), _steps_of(local, 1, order), cv[n if reverse else 0],
                    [cv[c] for c in order] if reverse else [cv[c + 1] for c in order])
             starts = carries[:, 1:] if reverse else carries[:, :n]
-        # final pass: the recurrence inside every chunk from its incoming state, into out
-        o_steps = _steps_of(ov, 2, steps)
-        cur = recur(a_steps, u_steps, starts, o_steps)
-        h = cur[:, 0] if reverse else cur[:, -1]
+        if not fixup:  # final pass: the recurrence inside every chunk from its incoming state, into out
+            o_steps = _steps_of(ov, 2, steps)
+            cur = recur(a_steps, u_steps, starts, o_steps)
+            h = cur[:, 0] if reverse else cur[:, -1]
     if tail:
         t0 = 0 if reverse else n * chunk
         order = range(tail - 1, -1, -1) if reverse else range(tail)
