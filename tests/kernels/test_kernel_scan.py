@@ -71,6 +71,24 @@ def test_long_sequence_with_tiny_coefficients_is_exact():
     assert rel(out, scan_naive(a, u, h0)) <= 1e-12
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_per_head_coefficients_take_the_fixup_form_exactly(reverse, monkeypatch):
+    """``a`` a quarter of ``u``'s size: chunks are fixed up by running products of ``a`` in one op
+    (module doc); tiny and zero coefficients underflow those products as the recurrence does."""
+    import gradshard.kernels.scan_torch as st
+
+    calls = []
+    fixup = st._scan_chunks_fixup
+    monkeypatch.setattr(st, "_scan_chunks_fixup", lambda *args: calls.append(1) or fixup(*args))
+    a, u, h0 = make(2, 5003, state=(3, 4), a_shape=(2, 5003, 3, 1), zeros=False)
+    a = a * 1e-3
+    a[:, ::97] = 0.0
+    out = scan_torch(a, u, h0, reverse=reverse)
+    assert calls
+    assert torch.isfinite(out).all()
+    assert rel(out, scan_naive(a, u, h0, reverse)) <= 1e-12
+
+
 @pytest.mark.parametrize("length", [1, 7, 37])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("reverse", [False, True])
