@@ -75,11 +75,9 @@ def test_long_sequence_with_tiny_coefficients_is_exact():
 def test_per_head_coefficients_take_the_fixup_form_exactly(reverse, monkeypatch):
     """``a`` a quarter of ``u``'s size: chunks are fixed up by running products of ``a`` in one op
     (module doc); tiny and zero coefficients underflow those products as the recurrence does."""
-    import gradshard.kernels.scan_torch as st
-
     calls = []
-    fixup = st._scan_chunks_fixup
-    monkeypatch.setattr(st, "_scan_chunks_fixup", lambda *args: calls.append(1) or fixup(*args))
+    fixup = scan_torch.__globals__["_scan_chunks_fixup"]
+    monkeypatch.setitem(scan_torch.__globals__, "_scan_chunks_fixup", lambda *args: calls.append(1) or fixup(*args))
     a, u, h0 = make(2, 5003, state=(3, 4), a_shape=(2, 5003, 3, 1), zeros=False)
     a = a * 1e-3
     a[:, ::97] = 0.0
