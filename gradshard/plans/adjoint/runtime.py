@@ -179,8 +179,12 @@ def _trim(x: Tensor, dim: Optional[int], merged: Optional[tuple[int, int]], star
 
 
 def _step_major(x: Tensor, td: int) -> Tensor:
-    """``x`` dense in step order (each step's slice one contiguous block), as the scan reads it."""
-    return x.contiguous() if td == 1 or x.dim() < 2 else x.movedim(td, 1).contiguous().movedim(1, td)
+    """``x`` dense in step order (each step's slice one contiguous block), as the scan reads it; a
+    broadcast (a stride-0 dim: a decay shared over time) stays a view, never materialised."""
+    steps = x.movedim(td, 1) if x.dim() >= 2 and td != 1 else x
+    if 0 in x.stride() or steps.is_contiguous():
+        return x
+    return steps.contiguous().movedim(1, td) if steps is not x else x.contiguous()
 
 
 def shard_producers(gm: fx.GraphModule, io: RegionIO, scan: ScanSpec, start: int, length: int) -> fx.GraphModule:
