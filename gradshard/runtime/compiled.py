@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -38,8 +38,8 @@ import torch.fx as fx
 from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 
-__all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "forgetting_new_lengths",
-           "MAX_GRAPHS"]
+__all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "LengthCache",
+           "forgetting_new_lengths", "MAX_GRAPHS"]
 
 #: ``compiler(gm, example_inputs) -> callable`` taking the graph's inputs unboxed (the
 #: ``SegmentCompiler`` protocol of :mod:`gradshard.compose`).
@@ -163,12 +163,29 @@ class RegionGraphs:
         return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False}
 
 
+class LengthCache:
+    """A region module's graphs re-specialised per length, in ``self._cache`` (set by the module's
+    ``__init__``): what :func:`forgetting_new_lengths` reads and trims."""
+
+    _cache: dict
+
+    def length_keys(self) -> set:
+        """The keys of the graphs re-specialised so far."""
+        return set(self._cache)
+
+    def forget_lengths(self, keep: Collection = ()) -> None:
+        """Drop the graphs re-specialised so far but those in ``keep`` (the compile's check lengths;
+        each holds a copy of the graph): later calls re-specialise to the lengths they use."""
+        for key in [k for k in self._cache if k not in keep]:
+            del self._cache[key]
+
+
 @contextlib.contextmanager
 def forgetting_new_lengths(gm: torch.nn.Module) -> Iterator[None]:
-    """The graphs ``gm``'s regions re-specialise inside the block are dropped when it ends (regions
-    with ``length_keys()`` / ``forget_lengths(keep=...)``): a check run at a probe length is not a
-    length calls use, and each such graph is a copy the module would keep for good."""
-    mods = [m for m in gm.modules() if callable(getattr(m, "length_keys", None))]
+    """The graphs ``gm``'s regions (:class:`LengthCache` modules) re-specialise inside the block are
+    dropped when it ends: a check run at a probe length is not a length calls use, and each such
+    graph is a copy the module would keep for good."""
+    mods = [m for m in gm.modules() if isinstance(m, LengthCache)]
     before = [m.length_keys() for m in mods]
     try:
         yield

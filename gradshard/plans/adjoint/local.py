@@ -29,14 +29,14 @@ denominator. Exact up to the order of the sum.
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
-from gradshard.runtime.compiled import GraphCompiler, RegionGraphs
+from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 
@@ -47,7 +47,7 @@ def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-class LocalSegment(nn.Module):
+class LocalSegment(LengthCache, nn.Module):
     """A time-local subgraph run in shards; backward recomputes it shard by shard.
 
     ``graph``: the subgraph (placeholders = inputs, output = tuple of outputs, then the
@@ -93,16 +93,6 @@ class LocalSegment(nn.Module):
     def runner(self, length: int) -> Any:
         """What runs the subgraph on ``length`` steps: the graph, or its compiled variants."""
         return self.graphs.get(length, lambda: self.graph_for(length))
-
-    def length_keys(self) -> set:
-        """The keys of the graphs re-specialised so far."""
-        return set(self._cache)
-
-    def forget_lengths(self, keep: Collection = ()) -> None:
-        """Drop the graphs re-specialised so far but those in ``keep`` (the compile's check lengths;
-        each holds a copy of the graph): later calls re-specialise to the lengths they use."""
-        for key in [k for k in self._cache if k not in keep]:
-            del self._cache[key]
 
     def graph_for(self, length: int) -> fx.GraphModule:
         """The subgraph re-specialised to ``length`` steps (cached)."""

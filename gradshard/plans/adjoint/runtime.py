@@ -37,7 +37,7 @@ signature (:mod:`gradshard.runtime.compiled`), the backward recompute's variant 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from gradshard.ir import Stage
 from gradshard.pipeline import copy_graph
-from gradshard.runtime.compiled import GraphCompiler, RegionGraphs
+from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
@@ -216,7 +216,7 @@ def shard_producers(gm: fx.GraphModule, io: RegionIO, scan: ScanSpec, start: int
 # --------------------------------------------------------------------------- the region module
 
 
-class AdjointRegion(nn.Module):
+class AdjointRegion(LengthCache, nn.Module):
     """One linear-recurrence region run with adjoint sharding (installed by ``rewrite_adjoint``).
 
     ``forward(*inputs)`` returns the region's outputs as a tuple (readout outputs, then the
@@ -281,16 +281,6 @@ class AdjointRegion(nn.Module):
             g = shard_producers(base, self.io, self.scan, start, steps)
             self._cache[key] = g
         return g
-
-    def length_keys(self) -> set:
-        """The keys of the graphs re-specialised so far."""
-        return set(self._cache)
-
-    def forget_lengths(self, keep: Collection = ()) -> None:
-        """Drop the graphs re-specialised so far but those in ``keep`` (the compile's check lengths;
-        each holds a copy of the graph): later calls re-specialise to the lengths they use."""
-        for key in [k for k in self._cache if k not in keep]:
-            del self._cache[key]
 
     def graph_for(self, which: str, length: int) -> fx.GraphModule:
         """The producer or readout graph re-specialised to ``length`` steps (cached)."""
