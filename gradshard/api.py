@@ -28,6 +28,7 @@ from .ir import PassRecord, Region
 from .pipeline import (GraphSummary, PassContext, generated_sources, release_generated_sources, run_passes,
                        summarize_graph)
 from .plans import get_plan, plans
+from .plans.length_generic import STATE_KEY as LENGTH_GENERIC
 from .compose import ComposedGraph, SegmentCompiler, compose_graph, mark_program
 from .schedule import Program, build_program
 
@@ -101,6 +102,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], plan: str, 
         passes = passes[: [p.name for p in passes].index(stop_after) + 1]
     out_gm, records = run_passes(gm, passes, ctx, progress)
     records = [*prepared, *records]
+    if stop_after is not None:  # a probe is never run: it holds the graph kept to serve from, not a copy of it
+        kept = getattr(ctx.plan_state.get(LENGTH_GENERIC), "graph", None)
+        out_gm = kept if isinstance(kept, fx.GraphModule) else out_gm
     program = build_program(out_gm) if stop_after is None else Program((), nx.DiGraph())
     return CompiledGraph(plan, opts, original, out_gm, program, tuple(ctx.regions), tuple(records), ctx, captured)
 

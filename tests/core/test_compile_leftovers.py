@@ -162,3 +162,14 @@ def test_a_length_check_leaves_no_region_graphs_at_its_length() -> None:
     assert len(regions) >= 3  # two recurrences and the tail
     lengths = {key[1] if isinstance(key, tuple) else key for r in regions for key in r.length_keys()}
     assert lengths == {64, 300 % 64}
+
+
+def test_a_probe_keeps_one_graph_to_serve_from() -> None:
+    """seco compiles a long first call's probe only through its length-generic passes, never runs
+    it, and serves the call from the graph those passes kept: the probe entry holds that graph,
+    not a second copy of it."""
+    model, (ids,) = factories.ssm(seq_len=300, batch=1, d_model=16, n_layers=2)
+    cm = gs.compile(model, plan="seco", chunk_size=64)
+    cm(ids).float().mean().backward()
+    (probe,) = cm._probes.values()
+    assert probe.gm is probe.ctx.plan_state["length_generic"].graph
