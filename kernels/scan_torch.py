@@ -82,18 +82,26 @@ def _scan_chunks_fixup(av: torch.Tensor, ov: torch.Tensor, a_steps: list[torch.T
     steps = range(chunk - 1, -1, -1) if reverse else range(chunk)
     zero = torch.zeros((batch, n, *ov.shape[3:]), dtype=ov.dtype, device=ov.device)
     last = _recur(a_steps, u_steps, zero, _steps_of(ov, 2, steps))  # each chunk's local final state
+    carries = _carry_pass(av, last, h, reverse)
+    starts = carries[:, 1:] if reverse else carries[:, :n]  # the state entering each chunk
+    running = av.flip(2).cumprod(2).flip(2) if reverse else av.cumprod(2)
+    ov.addcmul_(running, starts.unsqueeze(2))
+    return carries[:, 0] if reverse else carries[:, n]
+
+
+def _carry_pass(av: torch.Tensor, last: torch.Tensor, h: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """``carries[c]``: the state entering chunk ``c`` (forward) / leaving it (reverse), ``(b, n + 1,
+    *s)``, from each chunk's local final state ``last`` (from zero), its product of ``a`` and ``h``."""
+    n = last.shape[1]
     prods = torch.prod(av, dim=2)
     prods = prods.expand(prods.shape[0], n, *prods.shape[2:])
-    carries = torch.empty((batch, n + 1, *ov.shape[3:]), dtype=ov.dtype, device=ov.device)
+    carries = torch.empty((last.shape[0], n + 1, *last.shape[2:]), dtype=last.dtype, device=last.device)
     order = range(n - 1, -1, -1) if reverse else range(n)
     cv = carries.unbind(1)
     cv[n if reverse else 0].copy_(h)
     _recur(_steps_of(prods, 1, order), _steps_of(last, 1, order), cv[n if reverse else 0],
            [cv[c] for c in order] if reverse else [cv[c + 1] for c in order])
-    starts = carries[:, 1:] if reverse else carries[:, :n]  # the state entering each chunk
-    running = av.flip(2).cumprod(2).flip(2) if reverse else av.cumprod(2)
-    ov.addcmul_(running, starts.unsqueeze(2))
-    return carries[:, 0] if reverse else carries[:, n]
+    return carries
 
 
 def scan_torch(
@@ -142,15 +150,7 @@ def scan_torch(
             # local pass: the recurrence from zero inside every chunk, ping-ponging two buffers
             first, second = torch.zeros((2, batch, n, *state), dtype=acc, device=u.device).unbind(0)
             local = _recur(a_steps, u_steps, first, ([second, first] * ((chunk + 1) // 2))[:chunk])
-            prods = torch.prod(av, dim=2)
-            prods = prods.expand(prods.shape[0], n, *prods.shape[2:])
-            # carry pass: carries[c] is the state entering chunk c (forward) / leaving it (reverse)
-            carries = torch.empty((batch, n + 1, *state), dtype=acc, device=u.device)
-            order = range(n - 1, -1, -1) if reverse else range(n)
-            cv = carries.unbind(1)
-            cv[n if reverse else 0].copy_(h)
-            _recur(_steps_of(prods, 1, order), _steps_of(local, 1, order), cv[n if reverse else 0],
-                   [cv[c] for c in order] if reverse else [cv[c + 1] for c in order])
+            carries = _carry_pass(av, local, h, reverse)
             starts = carries[:, 1:] if reverse else carries[:, :n]
         if not fixup:  # final pass: the recurrence inside every chunk from its incoming state, into out
             o_steps = _steps_of(ov, 2, steps)
