@@ -276,9 +276,7 @@ class AdjointRegion(LengthCache, nn.Module):
         key = ("producer", length, start, steps)
         g = self._cache.get(key)
         if g is None:  # the untrimmed graph at this length is not kept: nothing runs it
-            base = (self.producer if length == self.io.captured_len else
-                    respecialize(self.producer, self.facts, self.io.captured_len, length, keep_values=False))
-            g = shard_producers(base, self.io, self.scan, start, steps)
+            g = shard_producers(self._at_length(self.producer, length), self.io, self.scan, start, steps)
             self._cache[key] = g
         return g
 
@@ -295,9 +293,15 @@ class AdjointRegion(LengthCache, nn.Module):
         key = (which, length)
         g = self._cache.get(key)
         if g is None:
-            g = respecialize(base, self.facts, self.io.captured_len, length, keep_values=False)
+            g = self._at_length(base, length)
             self._cache[key] = g
         return g
+
+    def _at_length(self, base: fx.GraphModule, length: int) -> fx.GraphModule:
+        """``base`` re-specialised to ``length`` steps (not cached; itself at the captured length)."""
+        if length == self.io.captured_len:
+            return base
+        return respecialize(base, self.facts, self.io.captured_len, length, keep_values=False)
 
     # ---------------------------------------------------------------- calling
 
@@ -353,12 +357,12 @@ class AdjointRegion(LengthCache, nn.Module):
 
     # ---------------------------------------------------------------- per-shard pieces
 
-    def run_producers(self, inputs: Sequence[Tensor], s: int, e: int, T: int) -> tuple[list[Any], list[Tensor]]:
-        """Producer outputs trimmed to ``[s, e)`` and the window inputs they were computed from."""
+    def run_producers(self, inputs: Sequence[Tensor], s: int, e: int, T: int) -> list[Any]:
+        """Producer outputs on shard ``[s, e)`` (run on its window, trimmed to the shard)."""
         ws, we = self.window_of(s, e, T)
         win = [_narrow(x, d, ws, we - ws) if d is not None else x for x, d in zip(inputs, self.io.input_time_dims)]
         outs = self.producers_on(we - ws, s - ws, e - s)(*win)
-        return list(outs) if isinstance(outs, (tuple, list)) else [outs], win
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
     def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
         return prod[0], prod[1], prod[2], prod[3:]
@@ -472,7 +476,7 @@ class AdjointFunction(torch.autograd.Function):
         h: Optional[Tensor] = None
         with torch.no_grad():
             for s, e in shards:
-                prod, _ = region.run_producers(inputs, s, e, T)
+                prod = region.run_producers(inputs, s, e, T)
                 a, u, h0, rs = region.split(prod)
                 if s == 0:
                     h = _state_canon(h0, sp.rank)
