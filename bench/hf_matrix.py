@@ -160,6 +160,8 @@ def run_cell(family: str, attn: str, plan: str, *, T: int = T_DEFAULT, batch: in
             tb = time.perf_counter()
             got = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True) if wrt else ()
             cell["backward_s"] = round(time.perf_counter() - tb, 4)
+            # adjoint regions whose shards run chunked (plans/adjoint/chunked.py), not per-step scans
+            cell["chunked_regions"] = sum(1 for m in cm.graph.modules() if getattr(m, "chunked", None) is not None)
 
         cell["phase"] = "compare"
         loss_err = _rel(loss.detach().double(), out_ref.loss.detach().double(), 1e-300)
@@ -333,7 +335,8 @@ def _short(cell: dict[str, Any]) -> str:
     kind = cell.get("kind")
     if kind == "exact":
         err = max(cell.get("loss_err", 0.0), cell.get("grad_err", 0.0))
-        return f"exact {err:.0e}" + (" f32" if cell.get("fp32") else "")
+        return (f"exact {err:.0e}" + (" f32" if cell.get("fp32") else "")
+                + (f" chunked {cell['chunked_regions']}" if cell.get("chunked_regions") else ""))
     if kind == "mismatch":
         return cell["status"].replace("mismatch ", "MISMATCH ")
     if kind == "refused":

@@ -74,6 +74,10 @@ class AdjointOptions:
     #: every other layer's input recomputed from the layer before (its forward rerun per backward
     #: window), not kept: about half the layer inputs' memory for one more forward per layer pair
     recompute_layer_inputs: bool = False
+    #: a region whose state is an outer product read by a contraction (Mamba-2's SSD, linear
+    #: attention) runs each shard as chunked linear attention, never forming per-step states
+    #: (:mod:`gradshard.plans.adjoint.chunked`); False: per-step scans and the adjoint scan
+    chunked: bool = True
 
 
 @register_plan(

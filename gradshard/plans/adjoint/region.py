@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from gradshard.analysis.node_costs import tensor_bytes
 from gradshard.errors import node_error
-from gradshard.plans.adjoint.runtime import RegionIO, ScanSpec
+from gradshard.plans.adjoint.layout import RegionIO, ScanSpec
 
 from gradshard.passes.detect_recurrence import ScanSite
 from gradshard.passes.recurrence_graph import live_users

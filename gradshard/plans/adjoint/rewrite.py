@@ -49,6 +49,7 @@ from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.plans.adjoint.links import assign_gradient_donors, chain_layer_inputs
+from gradshard.plans.adjoint.chunked import match_chunked_form
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.reductions import split_time_reductions
@@ -130,8 +131,9 @@ def _remat_leaves(remats: list[InputRematPlan]) -> list[fx.Node]:
 
 def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name: str, plan_name: str,
                         shard_size: int, window: Optional[int],
-                        remats: Optional[list[InputRematPlan]] = None) -> AdjointRegion:
-    """The :class:`AdjointRegion` of ``plan`` (graphs cut from ``gm``); ``remats``: inputs to recompute."""
+                        remats: Optional[list[InputRematPlan]] = None, chunked: bool = False) -> AdjointRegion:
+    """The :class:`AdjointRegion` of ``plan`` (graphs cut from ``gm``); ``remats``: inputs to recompute;
+    ``chunked``: run its shards chunked where its graphs have that form (plan "adjoint" only)."""
     remats = remats or []
     producer = _subgraph(gm, plan.inputs, plan.producers, plan.producer_outputs, f"{name}_producers")
     h = next(n for n in gm.graph.nodes if n.name == plan.site.h)
@@ -141,6 +143,10 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
             f"(halo {lh}/{rh}), {len(plan.readout)} readout nodes")
     if plan.extended:
         desc += f" ({plan.extended} past the contraction, to {', '.join(x.name for x in plan.exits)})"
+    # the truncated adjoint windows lam per step: it needs the per-step form
+    form = match_chunked_form(producer, readout, plan.scan, plan.io) if chunked and plan_name == "adjoint" else None
+    if form is not None:
+        desc += "; " + form.describe()
     extra = _remat_leaves(remats)
     slot = {leaf: j for j, leaf in enumerate(extra)}
     built = []
@@ -155,7 +161,7 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
                     if d is not None and leaf.op == "call_function")
     costs = _costs(plan, plan.io.captured_len, shard_size, frozenset(r.index for r in remats), tuple(dict.fromkeys(anchors)))
     return AdjointRegion(name, producer, readout, facts, plan.scan, plan.io, plan=plan_name, shard_size=shard_size,
-                         window=window, describe=desc, costs=costs, remats=built, n_extra=len(extra))
+                         window=window, describe=desc, costs=costs, remats=built, n_extra=len(extra), chunked=form)
 
 
 def _respecializes(fn: Any, lengths: list[int]) -> bool:
@@ -322,7 +328,7 @@ def _verify(plans: list[RegionPlan], modules: list[AdjointRegion], values: dict[
     for p, mod in zip(plans, modules):
         small = max(1, -(-T // 3))
         probe = AdjointRegion(mod.region_name, mod.producer, mod.readout, mod.facts, mod.scan, mod.io, plan="adjoint",
-                              shard_size=small)
+                              shard_size=small, chunked=mod.chunked)
         ins = [values[x.name] for x in p.inputs]
         try:
             with torch.no_grad():
@@ -535,7 +541,8 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         checked = [_verified_remats(check_gm, plan, rm, values) for plan, rm in zip(plans, remats)]
         remats = [rm for rm, _ in checked]
         notes += [n for _, ns in checked for n in ns]
-    modules = [build_region_module(new, plan, facts, f"adjoint_{i}", ctx.plan, shard, window, remats[i])
+    chunked = bool(getattr(opts, "chunked", False))
+    modules = [build_region_module(new, plan, facts, f"adjoint_{i}", ctx.plan, shard, window, remats[i], chunked)
                for i, plan in enumerate(plans)]
     if verify:
         notes += _verify(plans, modules, values, check_len)

@@ -44,15 +44,17 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
-from gradshard.pipeline import copy_graph
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
+from gradshard.plans.adjoint.layout import (RegionIO, ScanSpec, canon, narrow, shard_producers, state_canon,
+                                           state_uncanon, uncanon)
+from gradshard.plans.adjoint.chunked import ChunkedForm, chunked_shard_graph
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from gradshard.plans.adjoint.scan import recurrence_for
 from gradshard.plans.adjoint.truncated import TruncatedSweep
 
-__all__ = ["ScanSpec", "RegionIO", "InputRemat", "ChainedInput", "AdjointRegion", "AdjointFunction"]
+__all__ = ["InputRemat", "ChainedInput", "AdjointRegion", "AdjointFunction"]
 
 
 def _zeros_like_input(x: Optional[Tensor], like: Optional[tuple]) -> Tensor:
@@ -62,36 +64,6 @@ def _zeros_like_input(x: Optional[Tensor], like: Optional[tuple]) -> Tensor:
         return torch.zeros_like(x)
     shape, dtype, device = like
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-@dataclass(frozen=True)
-class ScanSpec:
-    """Where the recurrence sits in the producer outputs and its layout.
-
-    Producer outputs are ``(a, u, h0, r_0, ..., r_m)``; ``a``/``h0`` may be ``None``.
-    ``u`` has rank ``rank`` with time at ``time_dim``; ``a`` is right-aligned to ``u``.
-    """
-
-    kind: str  # "diagonal" | "dense"
-    has_a: bool
-    has_h0: bool
-    time_dim: int
-    rank: int
-
-
-@dataclass(frozen=True)
-class RegionIO:
-    """Time layout of a region's inputs, producer outputs and outputs (``None``: no time)."""
-
-    input_time_dims: tuple[Optional[int], ...]
-    producer_time_dims: tuple[Optional[int], ...]
-    output_time_dims: tuple[Optional[int], ...]  # readout outputs
-    final_state: bool  # an extra last output: h at the last step
-    halo: tuple[int, int]  # steps recomputed before / after each shard
-    captured_len: int
-    #: per producer output: ``(outer, inner)`` where its time dim merges ``(outer, T, inner)``
-    #: (rows ``B*T*H`` of a per-head norm) and a halo must be trimmed from it; else None
-    producer_merged: tuple[Optional[tuple[int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,90 +101,6 @@ class ChainedInput:
     ckpt_slot: int = 0
 
 
-# --------------------------------------------------------------------------- layout helpers
-
-
-def _canon(x: Optional[Tensor], td: int, rank: int) -> Optional[Tensor]:
-    """To ``(batch, time, *state)``: right-align to ``rank`` dims, move time to dim 1."""
-    if x is None:
-        return None
-    if x.dim() < rank:
-        x = x.reshape((1,) * (rank - x.dim()) + tuple(x.shape))
-    if rank == 1:
-        return x.unsqueeze(0)
-    return x.movedim(td, 1) if td != 1 else x
-
-
-def _uncanon(x: Tensor, td: int, rank: int, shape: Optional[Sequence[int]] = None) -> Tensor:
-    """Inverse of :func:`_canon` (``shape``: the original shape, for right-aligned inputs)."""
-    if rank == 1:
-        x = x.squeeze(0)
-    elif td != 1:
-        x = x.movedim(1, td)
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        x = x.reshape(shape)
-    return x
-
-
-def _state_canon(h: Optional[Tensor], rank: int) -> Optional[Tensor]:
-    """A state ``(*state)`` in the layout of canonical ``h`` minus time."""
-    if h is None:
-        return None
-    return h.unsqueeze(0) if rank == 1 else h
-
-
-def _state_uncanon(h: Tensor, rank: int) -> Tensor:
-    return h.squeeze(0) if rank == 1 else h
-
-
-def _narrow(x: Tensor, dim: Optional[int], start: int, length: int) -> Tensor:
-    return x if dim is None else x.narrow(dim, start, length)
-
-
-def _trim(x: Tensor, dim: Optional[int], merged: Optional[tuple[int, int]], start: int, length: int) -> Tensor:
-    """Steps ``[start, start + length)`` of ``x`` along ``dim``, which holds ``(outer, T, inner)``
-    merged when ``merged = (outer, inner)``."""
-    if dim is None or merged is None:
-        return _narrow(x, dim, start, length)
-    outer, inner = merged
-    return x.unflatten(dim, (outer, -1, inner)).narrow(dim + 1, start, length).flatten(dim, dim + 2)
-
-
-def _step_major(x: Tensor, td: int) -> Tensor:
-    """``x`` dense in step order (each step's slice one contiguous block), as the scan reads it; a
-    broadcast (a stride-0 dim: a decay shared over time) stays a view, never materialised."""
-    steps = x.movedim(td, 1) if x.dim() >= 2 and td != 1 else x
-    if 0 in x.stride() or steps.is_contiguous():
-        return x
-    return steps.contiguous().movedim(1, td) if steps is not x else x.contiguous()
-
-
-def shard_producers(gm: fx.GraphModule, io: RegionIO, scan: ScanSpec, start: int, length: int) -> fx.GraphModule:
-    """``gm`` (the producers on a window) with its outputs trimmed to the window's steps ``[start,
-    start + length)`` and the scan's operands ``a``, ``u`` laid out dense in step order, inside the
-    graph. Compiled, the backward then pads the trimmed outputs' gradients inside its own kernels
-    (a state-sized output such as an outer product ``x B^T`` gets no gradient buffer at the window's
-    length, zero-filled and copied into, per shard), and the scan's step-ordered gradient of ``u``
-    is not copied into another layout (Inductor keeps an output's eager strides: Mamba-2's ``u``
-    comes out heads-major).
-    """
-    graph = copy_graph(gm)
-    out = next(n for n in graph.nodes if n.op == "output")
-    single = not isinstance(out.args[0], (tuple, list))
-    vals = [out.args[0]] if single else list(out.args[0])
-    merged = io.producer_merged or (None,) * len(io.producer_time_dims)
-    with graph.inserting_before(out):
-        for i, (v, d, m) in enumerate(zip(vals, io.producer_time_dims, merged)):
-            if not isinstance(v, fx.Node) or d is None:
-                continue
-            v = graph.call_function(_trim, (v, d, m, start, length))
-            if i == 1 or (i == 0 and scan.has_a and d == scan.time_dim):  # u; a with u's rank
-                v = graph.call_function(_step_major, (v, scan.time_dim))
-            vals[i] = v
-    out.args = (vals[0] if single else tuple(vals),)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-
-
 # --------------------------------------------------------------------------- the region module
 
 
@@ -227,7 +115,8 @@ class AdjointRegion(LengthCache, nn.Module):
                  facts: Mapping[str, tuple[Optional[DimFact], ...]], scan: ScanSpec, io: RegionIO, *,
                  plan: str, shard_size: int, window: Optional[int] = None, describe: str = "",
                  costs: Optional[Mapping[str, int]] = None,
-                 remats: Sequence[tuple[InputRemat, fx.GraphModule]] = (), n_extra: int = 0) -> None:
+                 remats: Sequence[tuple[InputRemat, fx.GraphModule]] = (), n_extra: int = 0,
+                 chunked: Optional[ChunkedForm] = None) -> None:
         super().__init__()
         self.region_name = name
         self.producer = producer
@@ -240,6 +129,8 @@ class AdjointRegion(LengthCache, nn.Module):
         self.window = window
         self.describe = describe
         self.costs = dict(costs or {})
+        #: shards run as one chunked graph each (:mod:`gradshard.plans.adjoint.chunked`), not per-step scans
+        self.chunked = chunked
         self._cache: dict[tuple, fx.GraphModule] = {}
         self.rec = recurrence_for(scan.kind)
         self.kernel_backend: Optional[str] = None  # set by the lower_kernels pass
@@ -277,6 +168,22 @@ class AdjointRegion(LengthCache, nn.Module):
         g = self._cache.get(key)
         if g is None:  # the untrimmed graph at this length is not kept: nothing runs it
             g = shard_producers(self._at_length(self.producer, length), self.io, self.scan, start, steps)
+            self._cache[key] = g
+        return g
+
+    def shard_on(self, length: int, start: int, steps: int, state_in: bool) -> Any:
+        """What runs a chunked shard (:func:`chunked_shard_graph`) on a ``length``-step window, its
+        steps ``[start, start + steps)``; ``state_in``: the state enters as the last input."""
+        key = ("shard", length, start, steps, state_in)
+        return self.graphs.get(key, lambda: self._chunked_shard(key))
+
+    def _chunked_shard(self, key: tuple) -> fx.GraphModule:
+        g = self._cache.get(key)
+        if g is None:
+            _, length, start, steps, state_in = key
+            g = chunked_shard_graph(self._at_length(self.producer, length), self._at_length(self.readout, steps),
+                                    self.chunked, self.io, start, steps, state_in=state_in,
+                                    has_h0=self.scan.has_h0, backend=self.kernel_backend)
             self._cache[key] = g
         return g
 
@@ -330,7 +237,7 @@ class AdjointRegion(LengthCache, nn.Module):
             return c.source.output_window(args, extras[c.ckpt_slot], ws, we, T)[c.output]
         r = self.remats[index]
         start = max(0, ws - r.halo)
-        leaves = [_narrow(extras[j], d, start, we - start) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
+        leaves = [narrow(extras[j], d, start, we - start) for j, d in zip(r.leaf_slots, r.leaf_time_dims)]
         with torch.no_grad():
             out = self.runner(f"input{index}", we - start)(*leaves)
         out = out[0] if isinstance(out, (tuple, list)) else out
@@ -347,32 +254,41 @@ class AdjointRegion(LengthCache, nn.Module):
         with torch.no_grad():
             leaves = [x if d is None else self.remat_window(i, extras, lo, hi, T) if x is None else x.narrow(d, lo, hi - lo)
                       for i, (x, d) in enumerate(zip(inputs, self.io.input_time_dims))]
-            outs = self.producers_on(hi - lo, b - lo, we - b)(*leaves)
-            a, u, h0, rs = self.split(list(outs) if isinstance(outs, (tuple, list)) else [outs])
-            h = _state_canon(h0, self.scan.rank) if b == 0 else ckpts[b // self.shard_size - 1]
-            ac, uc = self.canon_au(a, u)
-            hc = self.rec.scan(ac, uc, h, self.kernel_backend)
-            ys = self.run_readout(self.h_for_readout(hc), rs)
+            ys, _ = self.run_shard(leaves, hi - lo, b - lo, we - b, None if b == 0 else ckpts[b // self.shard_size - 1])
         return [y.narrow(td, ws - b, we - ws) for y, td in zip(ys, self.io.output_time_dims)]
 
     # ---------------------------------------------------------------- per-shard pieces
 
-    def run_producers(self, inputs: Sequence[Tensor], s: int, e: int, T: int) -> list[Any]:
-        """Producer outputs on shard ``[s, e)`` (run on its window, trimmed to the shard)."""
+    def shard_window(self, inputs: Sequence[Tensor], s: int, e: int, T: int) -> tuple[list[Tensor], int, int]:
+        """The inputs' steps of shard ``[s, e)``'s window, its length, and where the shard starts in it."""
         ws, we = self.window_of(s, e, T)
-        win = [_narrow(x, d, ws, we - ws) if d is not None else x for x, d in zip(inputs, self.io.input_time_dims)]
-        outs = self.producers_on(we - ws, s - ws, e - s)(*win)
-        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        return [narrow(x, d, ws, we - ws) for x, d in zip(inputs, self.io.input_time_dims)], we - ws, s - ws
+
+    def run_shard(self, win: Sequence[Tensor], length: int, start: int, steps: int,
+                  h: Optional[Tensor]) -> tuple[list[Tensor], Tensor]:
+        """The readout outputs of steps ``[start, start + steps)`` of a ``length``-step window of the
+        inputs, and the state after them, from state ``h`` (None: the region's initial state)."""
+        if self.chunked is not None:
+            outs = self.shard_on(length, start, steps, h is not None)(*win, *([] if h is None else [h]))
+            return list(outs[:-1]), outs[-1]
+        outs = self.producers_on(length, start, steps)(*win)
+        a, u, h0, rs = self.split(list(outs) if isinstance(outs, (tuple, list)) else [outs])
+        if h is None:
+            h = state_canon(h0, self.scan.rank)
+        ac, uc = self.canon_au(a, u)
+        hc = self.rec.scan(ac, uc, h, self.kernel_backend)
+        ys = self.run_readout(self.h_for_readout(hc), rs)
+        return ys, (hc[:, -1].clone() if hc.shape[1] else h)  # a copy: a view would keep the shard alive
 
     def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
         return prod[0], prod[1], prod[2], prod[3:]
 
     def canon_au(self, a: Optional[Tensor], u: Tensor) -> tuple[Optional[Tensor], Tensor]:
         sp = self.scan
-        return _canon(a, sp.time_dim, sp.rank), _canon(u, sp.time_dim, sp.rank)
+        return canon(a, sp.time_dim, sp.rank), canon(u, sp.time_dim, sp.rank)
 
     def h_for_readout(self, hc: Tensor) -> Tensor:
-        return _uncanon(hc, self.scan.time_dim, self.scan.rank)
+        return uncanon(hc, self.scan.time_dim, self.scan.rank)
 
     def run_readout(self, h: Tensor, rs: Sequence[Tensor]) -> list[Tensor]:
         out = self.runner("readout", int(h.shape[self.scan.time_dim]))(h, *rs)
@@ -439,7 +355,7 @@ def _readout_grads(region: AdjointRegion, hc: Tensor, r_leaves: Sequence[Any], d
     with torch.enable_grad():
         ys = region.run_readout(h_leaf, r_leaves)
     n = int(hc.shape[1])
-    pairs = [(y, _narrow(dy, td, start, n)) for y, dy, td in zip(ys, dys, io.output_time_dims)
+    pairs = [(y, narrow(dy, td, start, n)) for y, dy, td in zip(ys, dys, io.output_time_dims)
              if dy is not None and y.requires_grad]
     wanted = [i for i, r in enumerate(r_leaves) if isinstance(r, Tensor) and r.requires_grad]
     wrt = [h_leaf, *(r_leaves[i] for i in wanted)]
@@ -447,10 +363,10 @@ def _readout_grads(region: AdjointRegion, hc: Tensor, r_leaves: Sequence[Any], d
            if pairs else [None] * len(wrt))
     # dense in the scan's step order: a readout VJP may return it transposed (an einsum's layout),
     # which makes every step of the reverse scan a strided read (1.6x slower on Mamba-2's states)
-    gc = _canon(got[0] if got[0] is not None else torch.zeros_like(h_leaf), sp.time_dim, sp.rank).contiguous()
+    gc = canon(got[0] if got[0] is not None else torch.zeros_like(h_leaf), sp.time_dim, sp.rank).contiguous()
     if final is not None and n:
         gc = gc.clone()
-        gc[:, -1] += _state_canon(final, sp.rank).to(gc.dtype)
+        gc[:, -1] += state_canon(final, sp.rank).to(gc.dtype)
     d_r: list[Optional[Tensor]] = [None] * len(r_leaves)
     for i, g in zip(wanted, got[1:]):
         d_r[i] = g
@@ -476,27 +392,20 @@ class AdjointFunction(torch.autograd.Function):
         h: Optional[Tensor] = None
         with torch.no_grad():
             for s, e in shards:
-                prod = region.run_producers(inputs, s, e, T)
-                a, u, h0, rs = region.split(prod)
-                if s == 0:
-                    h = _state_canon(h0, sp.rank)
-                ckpts.append(None if s == 0 else h)
-                ac, uc = region.canon_au(a, u)
-                hc = region.rec.scan(ac, uc, h, region.kernel_backend)
-                ys = region.run_readout(region.h_for_readout(hc), rs)
+                ckpts.append(h)
+                win, length, start = region.shard_window(inputs, s, e, T)
+                ys, h = region.run_shard(win, length, start, e - s, h)
                 for i, (y, td) in enumerate(zip(ys, io.output_time_dims)):
-                    if outputs[i] is None:
-                        shape = list(y.shape)
-                        if td is not None:
-                            shape[td] = T
-                        outputs[i] = y.new_empty(shape)
                     if td is None:
                         raise RuntimeError(f"{region.region_name}: readout output {i} has no time axis")
+                    if outputs[i] is None:
+                        shape = list(y.shape)
+                        shape[td] = T
+                        outputs[i] = y.new_empty(shape)
                     outputs[i].narrow(td, s, e - s).copy_(y)
-                h = hc[:, -1].clone() if hc.shape[1] else h  # a copy: a view would keep the shard alive
         result = [o for o in outputs if o is not None]
         if io.final_state:
-            result.append(_state_uncanon(h, sp.rank).clone())
+            result.append(state_uncanon(h, sp.rank).clone())
         # one tensor (shard k starts from row k-1), also exported when a later region chains from this one
         stack = torch.stack(ckpts[1:]) if len(ckpts) > 1 else torch.empty(0, device=inputs[0].device)
         if region.exports_checkpoints:
@@ -548,50 +457,13 @@ class AdjointFunction(torch.autograd.Function):
                 else:
                     w = region.remat_window(i, extras, ws, we, T) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
-            with torch.enable_grad():
-                outs = region.producers_on(we - ws, s - ws, e - s)(*leaves)
-                prod = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            a, u, h0, rs = region.split(prod)
-            h_start = ckpts[k] if k > 0 else _state_canon(h0, sp.rank)
-            h_start_d = None if h_start is None else h_start.detach()
-            ac, uc = region.canon_au(a, u)
-            acd = None if ac is None else ac.detach()
-            ucd = uc.detach()
-            r_leaves = [r.detach().requires_grad_(r.requires_grad) if isinstance(r, Tensor) and r.dtype.is_floating_point else r
-                        for r in rs]
-            with torch.no_grad():
-                hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
-            gc, d_r = _readout_grads(region, hc, r_leaves, dys, s, d_final if k == len(shards) - 1 else None)
-            if sweep is None:
-                da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
-                carry = dh_start
+            last = k == len(shards) - 1
+            if region.chunked is not None:
+                shard_grads, carry = _chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
+                                                          ws, we, d_final if last else carry)
             else:
-                lam = sweep.shard(s, acd, gc)
-                da, du, dh_start = region.rec.grads_from_lam(acd, hc, h_start_d, lam)
-            del hc, gc  # the shard's states: not needed by the VJP below
-            # one VJP through this shard's producers (parameters and window inputs)
-            outs_v: list[Tensor] = []
-            grads_v: list[Tensor] = []
-            if a is not None and a.requires_grad and da is not None:
-                outs_v.append(a)
-                grads_v.append(_uncanon(da, sp.time_dim, sp.rank, a.shape))
-            if u.requires_grad:
-                outs_v.append(u)
-                grads_v.append(_uncanon(du, sp.time_dim, sp.rank, u.shape))
-            if k == 0 and h0 is not None and h0.requires_grad:
-                outs_v.append(h0)
-                grads_v.append(_state_uncanon(dh_start, sp.rank).reshape(h0.shape).to(h0.dtype))
-            for r_orig, dr in zip(rs, d_r):
-                if dr is not None and isinstance(r_orig, Tensor) and r_orig.requires_grad:
-                    outs_v.append(r_orig)
-                    grads_v.append(dr)
-            targets = [(i, leaves[i]) for i in range(len(leaves))
-                       if needs[i] and isinstance(leaves[i], Tensor) and leaves[i].requires_grad]
-            shard_grads: dict[int, Tensor] = {}
-            if outs_v and targets:
-                gi = torch.autograd.grad(outs_v, [t for _, t in targets], grads_v, allow_unused=True)
-                shard_grads = {i: gv for (i, _), gv in zip(targets, gi) if gv is not None}
-            del outs, prod, a, u, rs, outs_v, grads_v  # the shard's graph: nothing reads dy's rows [s, e) now
+                shard_grads, carry = _adjoint_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
+                                                          ws, we, carry, d_final if last else None, sweep)
             for i, gv in shard_grads.items():
                 if i not in donated:
                     add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,
@@ -601,3 +473,82 @@ class AdjointFunction(torch.autograd.Function):
         for i, buf in donated.items():
             grads_in[i] = buf.result()
         return (None, *grads_in, *([None] * ctx.n_extra))
+
+
+def _adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
+                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
+                         d_final: Optional[Tensor], sweep: Optional[TruncatedSweep]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+    """Shard ``[s, e)`` (window ``[ws, we)``, state checkpoint ``ckpt``; None: the first shard) by the
+    per-step adjoint: the inputs' gradients from one VJP through the producers, and the carry
+    ``dL/dh`` at the shard's start. ``carry`` is the later shard's; ``d_final`` the final state's
+    gradient (last shard only); ``sweep`` the truncated adjoint's windowed lam, else None."""
+    sp = region.scan
+    with torch.enable_grad():
+        outs = region.producers_on(we - ws, s - ws, e - s)(*leaves)
+        prod = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    a, u, h0, rs = region.split(prod)
+    h_start = ckpt if ckpt is not None else state_canon(h0, sp.rank)
+    h_start_d = None if h_start is None else h_start.detach()
+    ac, uc = region.canon_au(a, u)
+    acd = None if ac is None else ac.detach()
+    ucd = uc.detach()
+    r_leaves = [r.detach().requires_grad_(r.requires_grad) if isinstance(r, Tensor) and r.dtype.is_floating_point else r
+                for r in rs]
+    with torch.no_grad():
+        hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
+    gc, d_r = _readout_grads(region, hc, r_leaves, dys, s, d_final)
+    if sweep is None:
+        da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
+        carry = dh_start
+    else:
+        lam = sweep.shard(s, acd, gc)
+        da, du, dh_start = region.rec.grads_from_lam(acd, hc, h_start_d, lam)
+    del hc, gc  # the shard's states: not needed by the VJP below
+    # one VJP through this shard's producers (parameters and window inputs)
+    outs_v: list[Tensor] = []
+    grads_v: list[Tensor] = []
+    if a is not None and a.requires_grad and da is not None:
+        outs_v.append(a)
+        grads_v.append(uncanon(da, sp.time_dim, sp.rank, a.shape))
+    if u.requires_grad:
+        outs_v.append(u)
+        grads_v.append(uncanon(du, sp.time_dim, sp.rank, u.shape))
+    if ckpt is None and h0 is not None and h0.requires_grad:
+        outs_v.append(h0)
+        grads_v.append(state_uncanon(dh_start, sp.rank).reshape(h0.shape).to(h0.dtype))
+    for r_orig, dr in zip(rs, d_r):
+        if dr is not None and isinstance(r_orig, Tensor) and r_orig.requires_grad:
+            outs_v.append(r_orig)
+            grads_v.append(dr)
+    targets = [(i, leaves[i]) for i in range(len(leaves))
+               if needs[i] and isinstance(leaves[i], Tensor) and leaves[i].requires_grad]
+    shard_grads: dict[int, Tensor] = {}
+    if outs_v and targets:
+        gi = torch.autograd.grad(outs_v, [t for _, t in targets], grads_v, allow_unused=True)
+        shard_grads = {i: gv for (i, _), gv in zip(targets, gi) if gv is not None}
+    return shard_grads, carry
+
+
+def _chunked_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
+                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int,
+                         d_end: Optional[Tensor]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+    """Shard ``[s, e)`` run chunked (:mod:`gradshard.plans.adjoint.chunked`): its graph again from
+    its checkpoint ``ckpt`` with grad, one VJP with ``dL/dy`` and ``d_end`` (``dL/dh`` at the shard's
+    end: the later shard's carry or the final state's gradient); returns the inputs' gradients and
+    ``dL/dh`` at the shard's start."""
+    io = region.io
+    h_in = None if ckpt is None else ckpt.detach().requires_grad_(True)
+    with torch.enable_grad():
+        outs = region.shard_on(we - ws, s - ws, e - s, h_in is not None)(*leaves, *([] if h_in is None else [h_in]))
+    *ys, h_end = outs
+    pairs = [(y, narrow(dy, td, s, e - s)) for y, dy, td in zip(ys, dys, io.output_time_dims)
+             if dy is not None and y.requires_grad]
+    if d_end is not None and h_end.requires_grad:
+        pairs.append((h_end, state_canon(d_end, region.scan.rank).to(h_end.dtype)))
+    targets = [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.requires_grad]
+    wrt = [leaves[i] for i in targets] + ([h_in] if h_in is not None else [])
+    if not pairs or not wrt:
+        return {}, None
+    got = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    grads = {i: g for i, g in zip(targets, got) if g is not None}
+    return grads, (got[-1] if h_in is not None else None)

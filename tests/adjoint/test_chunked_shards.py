@@ -1,0 +1,137 @@
+"""Chunked shards: an outer-product state read by a contraction (SSD, decayed linear attention)
+runs each adjoint shard in block form, exact, without forming per-step states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradshard.kernels import linear_scan
+from gradshard.kernels.ssd_torch import ssd_chunk_scan
+
+from .helpers import assert_same_grads, rel_err
+
+F64 = torch.float64
+
+
+def _scan_reference(z, x, B, C, h0):
+    h = linear_scan(torch.exp(z)[..., None, None], x[..., None] * B[..., None, :], h0)
+    return torch.einsum("blhpn,blhn->blhp", h, C), h[:, -1]
+
+
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 40), chunk=st.sampled_from([1, 4, 16]), with_h0=st.booleans(),
+       strength=st.sampled_from([0.1, 3.0, 80.0]))
+def test_ssd_block_form_equals_the_scan_values_and_gradients(T, chunk, with_h0, strength):
+    """Odd lengths (padded blocks), one-step blocks, an initial state, decays that underflow to 0."""
+    g = torch.Generator().manual_seed(T * 7 + chunk)
+    b, H, P, N = 2, 3, 4, 5
+    z = (-strength * torch.rand(b, T, H, generator=g, dtype=F64)).requires_grad_()
+    x, B, C = (torch.randn(b, T, H, d, generator=g, dtype=F64).requires_grad_() for d in (P, N, N))
+    h0 = torch.randn(b, H, P, N, generator=g, dtype=F64).requires_grad_() if with_h0 else None
+    ins = [t for t in (z, x, B, C, h0) if t is not None]
+    y, hT = ssd_chunk_scan(z, x, B, C, h0, chunk)
+    y_ref, hT_ref = _scan_reference(z, x, B, C, h0)
+    assert rel_err(y, y_ref) < 1e-12 and rel_err(hT, hT_ref) < 1e-12
+    gy, gh = torch.randn_like(y), torch.randn_like(hT)
+    got = torch.autograd.grad((y, hT), ins, (gy, gh))
+    want = torch.autograd.grad((y_ref, hT_ref), ins, (gy, gh))
+    for a, r in zip(got, want):
+        assert torch.isfinite(a).all() and rel_err(a, r) < 1e-11
+
+
+class SsdLayer(nn.Module):
+    """A Mamba-2 style mixer written with the canonical scan: per-head decay, ``u = x B^T``, ``y = h C``."""
+
+    def __init__(self, d: int = 6, heads: int = 3, p: int = 4, n: int = 5, decay: str = "exp", learn_h0: bool = False):
+        super().__init__()
+        self.heads, self.p, self.n, self.decay = heads, p, n, decay
+        self.inp = nn.Linear(d, heads * p + 2 * n + heads)
+        self.A_log = nn.Parameter(torch.rand(heads))
+        self.D = nn.Parameter(torch.randn(heads))
+        self.out = nn.Linear(heads * p, d)
+        self.h0 = nn.Parameter(torch.randn(heads, p, n)) if learn_h0 else None
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        b, T, _ = u.shape
+        x, B, C, dt = self.inp(u).split([self.heads * self.p, self.n, self.n, self.heads], -1)
+        x = x.reshape(b, T, self.heads, self.p)
+        B = B[:, :, None, :].expand(b, T, self.heads, self.n)
+        C = C[:, :, None, :].expand(b, T, self.heads, self.n)
+        if self.decay == "exp":
+            a = torch.exp(-F.softplus(dt) * torch.exp(self.A_log))
+        else:  # not an exp: the region runs the lightning_attention op on the decay itself
+            a = torch.sigmoid(dt + self.A_log)
+        h0 = None if self.h0 is None else self.h0.expand(b, *self.h0.shape)
+        h = linear_scan(a[..., None, None], x[..., None] * B[..., None, :], h0)
+        y = torch.einsum("blhpn,blhn->blhp", h, C) + self.D[:, None] * x
+        return u + self.out(y.reshape(b, T, -1))
+
+
+class SsdNet(nn.Module):
+    def __init__(self, layers: int = 2, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList(SsdLayer(**kw) for _ in range(layers))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            u = layer(u)
+        return u
+
+
+class StateWatch(TorchDispatchMode):
+    """Records the largest tensor an op returns whose trailing dims are a (heads, P, N) state."""
+
+    def __init__(self, state: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.state, self.most_steps = state, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() == 5 and tuple(t.shape[2:]) == self.state:
+                self.most_steps = max(self.most_steps, int(t.shape[1]))
+        return out
+
+
+@pytest.mark.parametrize("decay,learn_h0", [("exp", False), ("exp", True), ("sigmoid", False)])
+def test_ssd_regions_run_chunked_and_match_autograd(decay, learn_h0):
+    torch.manual_seed(0)
+    model = SsdNet(decay=decay, learn_h0=learn_h0).double()
+    x = torch.randn(2, 37, 6, dtype=F64)
+    cm = assert_same_grads(model, (x,), shard_size=8)
+    regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
+    assert len(regions) == 2 and all(r.chunked is not None for r in regions)
+    assert all(r.chunked.log_decay == (decay == "exp") for r in regions)
+    assert "shards run chunked" in cm.explain()
+    # no per-step states, forward or backward: only the few blocks' states of one shard
+    watch = StateWatch((3, 4, 5))
+    with watch:
+        cm(x.requires_grad_()).square().sum().backward()
+    assert 0 < watch.most_steps <= 2
+
+
+def test_per_step_form_on_request_forms_states_and_agrees():
+    torch.manual_seed(1)
+    model = SsdNet().double()
+    x = torch.randn(2, 29, 6, dtype=F64)
+    cm = assert_same_grads(model, (x,), shard_size=8, chunked=False)
+    assert all(m.chunked is None for m in cm.graph.modules() if hasattr(m, "chunked"))
+    watch = StateWatch((3, 4, 5))
+    with watch:
+        cm(x).square().sum().backward()
+    assert watch.most_steps >= 8  # a shard's per-step states
+
+
+def test_truncated_adjoint_keeps_the_per_step_form():
+    """The windowed adjoint needs per-step lam; its regions are never chunked."""
+    torch.manual_seed(2)
+    model = SsdNet().double()
+    x = torch.randn(1, 21, 6, dtype=F64)
+    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", shard_size=8, window=64)
+    assert all(m.chunked is None for m in cm.graph.modules() if hasattr(m, "chunked"))
