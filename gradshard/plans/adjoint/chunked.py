@@ -7,20 +7,28 @@ Mamba-2's SSD layer (and every SSD hybrid), written as gradshard's canonical sca
     y_t = h_t C_t                        einsum("blhpn,blhn->blhp", h, C)
 
 Run step by step, every step materialises a ``head_dim x d_state`` state per head, three
-times per shard (forward, backward recompute, adjoint scan): memory-bound, and 18x slower on
-CPU than the block form at ``head_dim = d_state = 64``. The same recurrence is causal linear
-attention with per-step decay (``q = C, k = B, v = x``, state ``S = h^T``), which
-``gradshard::lightning_attention`` computes chunk by chunk with matmuls, from an initial
-state, returning the final one -- and whose registered VJP gives the initial state's
-gradient: the adjoint carry. So the shard is one graph::
+times per shard (forward, backward recompute, adjoint scan): memory-bound, and 18-40x slower
+on CPU than a block form at ``head_dim = d_state = 64``. The recurrence is causal linear
+attention with per-step decay (``q = C, k = B, v = x``, state ``S = h^T``), computed block by
+block with matmuls from an initial state, returning the final one. The shard becomes one
+graph::
 
-    (window inputs, h_start) -> producers, trimmed -> lightning_attention -> readout -> (y..., h_end)
+    (window inputs, h_start) -> producers, trimmed -> block form -> readout -> (y..., h_end)
+
+with the block form
+
+* SSD's own (:func:`gradshard.kernels.ssd_torch.ssd_chunk_scan`) when ``a = exp(z)``: plain
+  ops from the log-decay, which autograd differentiates and Inductor fuses (3x faster than
+  the per-step scan at Mamba-2's tiny test sizes on CPU, compiled);
+* else ``gradshard::lightning_attention`` on the decay itself (division- and log-free, its VJP
+  registered; Triton kernels on GPU).
 
 Forward: shard by shard without grad, keeping ``h_end`` as the next shard's checkpoint (as
 the per-step form). Backward, right to left: the shard graph again with grad from its
 checkpoint, and one VJP with the incoming ``dL/dy`` and the carried ``dL/dh_end``; the
-initial state's gradient is the carry for the shard before. Exact (the op is division- and
-log-free); the backward holds one shard's chunk tensors, never its per-step states.
+initial state's gradient is the carry for the shard before. Exact; the backward holds one
+shard's block tensors, never its per-step states. The truncated adjoint windows the per-step
+adjoint state, so its regions keep the per-step form.
 
 :func:`match_chunked_form` recognises the form on the region's captured graphs by structure
 and shape (a product of ``x[..., None]`` and ``B[..., None, :]`` as ``u``; ``a`` broadcast over
@@ -52,7 +60,7 @@ aten = torch.ops.aten
 class ChunkedForm:
     """A region runs its shards chunked (:mod:`gradshard.plans.adjoint.chunked`)."""
 
-    chunk: int  # lightning_attention's block length
+    chunk: int  # block length
     head_dim: int
     d_state: int
     x_arg: int  # which argument of the product ``u = x[..., None] * B[..., None, :]`` is ``x``

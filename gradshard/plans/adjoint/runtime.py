@@ -26,6 +26,12 @@ Backward, shards right to left; only one shard's graph is ever alive::
               truncated: the windowed lam (gradshard.plans.adjoint.truncated), O(T) blockwise
     da = lam * h_{t-1}, du = lam, dh0 = a_1 lam_1  ->  one VJP through the shard's producers
 
+A *chunked* region (an outer-product state read by a contraction: SSD, decayed linear
+attention; :mod:`gradshard.plans.adjoint.chunked`) runs each shard as one graph in block form,
+``(window, h_start) -> (y, h_end)``, never forming per-step states; its backward reruns that
+graph from the checkpoint with grad and takes one VJP with ``dL/dy`` and the carried
+``dL/dh_end``, whose ``dL/dh_start`` is the carry for the shard before.
+
 The producer/readout graphs carry the captured length in their views; they are
 re-specialised per window length (:mod:`gradshard.plans.adjoint.respecialize`) and cached,
 so a region runs at any sequence length. When the program is composed with Inductor
@@ -302,7 +308,8 @@ class AdjointRegion(LengthCache, nn.Module):
         shards = self.shards(T)
         c = self.costs
         n = self.region_name
-        kernel = _scan_kernel_name(self.scan.kind, self.kernel_backend)
+        kernel = (self.chunked_kernel() if self.chunked is not None
+                  else _scan_kernel_name(self.scan.kind, self.kernel_backend))
         lam = "truncated adjoint (blockwise, window %s)" % self.window if self.plan == "truncated_adjoint" else "adjoint"
         fwd = Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
                     memory_bytes=int(c.get("saved_bytes", 0)),
@@ -311,6 +318,18 @@ class AdjointRegion(LengthCache, nn.Module):
                                         f"{len(shards)} state checkpoint(s)")
         out = [fwd]
         per_step = lambda key: c.get(key, 0) / max(T, 1)  # noqa: E731
+        if self.chunked is not None:  # one graph per shard, run again with grad: one VJP, no per-step states
+            for k in range(len(shards) - 1, -1, -1):
+                s, e = shards[k]
+                ws, we = self.window_of(s, e, T)
+                L, S = we - ws, e - s
+                out.append(Stage(name=f"{n}:shard{k}:vjp_shard", kind="vjp_shard", phase="backward", region=n,
+                                 memory_bytes=int(per_step("producer_bytes") * L),
+                                 flops=int((per_step("producer_flops") + per_step("producer_bwd_flops")) * L
+                                           + per_step("readout_flops") * S),
+                                 kernel=kernel, note=f"steps [{ws}, {we}) -> shard [{s}, {e}) in blocks of "
+                                                     f"{self.chunked.chunk}, from its checkpoint; carries dL/dh"))
+            return out
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             ws, we = self.window_of(s, e, T)
@@ -334,6 +353,12 @@ class AdjointRegion(LengthCache, nn.Module):
     def extra_repr(self) -> str:
         return f"{self.region_name}: {self.describe}, plan={self.plan}, shard_size={self.shard_size}" + (
             f", window={self.window}" if self.window else "")
+
+    def chunked_kernel(self) -> str:
+        """The block form a chunked region's shards run."""
+        if self.chunked.log_decay:
+            return "inductor:ssd_chunk_scan" if self.graphs.compiler is not None else "torch:ssd_chunk_scan"
+        return f"{self.kernel_backend or 'auto'}:lightning_attention"
 
 
 def _scan_kernel_name(kind: str, backend: Optional[str]) -> str:
