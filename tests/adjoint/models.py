@@ -334,3 +334,42 @@ class StateFirstS4D(nn.Module):
             h = dA * h + self.B * z[:, t, :, None]
             ys.append(torch.einsum("bdn,dn->bd", h, self.C))
         return x + torch.nn.functional.gelu(torch.stack(ys, dim=1) + self.D * z)
+
+
+class SsdLayer(nn.Module):
+    """A Mamba-2 style mixer written with the canonical scan: per-head decay, ``u = x B^T``, ``y = h C``."""
+
+    def __init__(self, d: int = 6, heads: int = 3, p: int = 4, n: int = 5, decay: str = "exp", learn_h0: bool = False):
+        super().__init__()
+        self.heads, self.p, self.n, self.decay = heads, p, n, decay
+        self.inp = nn.Linear(d, heads * p + 2 * n + heads)
+        self.A_log = nn.Parameter(torch.rand(heads))
+        self.D = nn.Parameter(torch.randn(heads))
+        self.out = nn.Linear(heads * p, d)
+        self.h0 = nn.Parameter(torch.randn(heads, p, n)) if learn_h0 else None
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        b, T, _ = u.shape
+        x, B, C, dt = self.inp(u).split([self.heads * self.p, self.n, self.n, self.heads], -1)
+        x = x.reshape(b, T, self.heads, self.p)
+        B = B[:, :, None, :].expand(b, T, self.heads, self.n)
+        C = C[:, :, None, :].expand(b, T, self.heads, self.n)
+        if self.decay == "exp":  # SSD's discretisation: the region's shards run SSD's block form
+            a = torch.exp(-F.softplus(dt) * torch.exp(self.A_log))
+        else:  # not an exp: the region runs the lightning_attention op on the decay itself
+            a = torch.sigmoid(dt + self.A_log)
+        h0 = None if self.h0 is None else self.h0.expand(b, *self.h0.shape)
+        h = gs.kernels.linear_scan(a[..., None, None], x[..., None] * B[..., None, :], h0)
+        y = torch.einsum("blhpn,blhn->blhp", h, C) + self.D[:, None] * x
+        return u + self.out(y.reshape(b, T, -1))
+
+
+class SsdNet(nn.Module):
+    def __init__(self, layers: int = 2, **kw):
+        super().__init__()
+        self.layers = nn.ModuleList(SsdLayer(**kw) for _ in range(layers))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            u = layer(u)
+        return u

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradshard.kernels import linear_scan
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 
 from .helpers import assert_same_grads, rel_err
+from .models import SsdNet
 
 F64 = torch.float64
 
@@ -43,45 +42,6 @@ def test_ssd_block_form_equals_the_scan_values_and_gradients(T, chunk, with_h0, 
     want = torch.autograd.grad((y_ref, hT_ref), ins, (gy, gh))
     for a, r in zip(got, want):
         assert torch.isfinite(a).all() and rel_err(a, r) < 1e-11
-
-
-class SsdLayer(nn.Module):
-    """A Mamba-2 style mixer written with the canonical scan: per-head decay, ``u = x B^T``, ``y = h C``."""
-
-    def __init__(self, d: int = 6, heads: int = 3, p: int = 4, n: int = 5, decay: str = "exp", learn_h0: bool = False):
-        super().__init__()
-        self.heads, self.p, self.n, self.decay = heads, p, n, decay
-        self.inp = nn.Linear(d, heads * p + 2 * n + heads)
-        self.A_log = nn.Parameter(torch.rand(heads))
-        self.D = nn.Parameter(torch.randn(heads))
-        self.out = nn.Linear(heads * p, d)
-        self.h0 = nn.Parameter(torch.randn(heads, p, n)) if learn_h0 else None
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        b, T, _ = u.shape
-        x, B, C, dt = self.inp(u).split([self.heads * self.p, self.n, self.n, self.heads], -1)
-        x = x.reshape(b, T, self.heads, self.p)
-        B = B[:, :, None, :].expand(b, T, self.heads, self.n)
-        C = C[:, :, None, :].expand(b, T, self.heads, self.n)
-        if self.decay == "exp":
-            a = torch.exp(-F.softplus(dt) * torch.exp(self.A_log))
-        else:  # not an exp: the region runs the lightning_attention op on the decay itself
-            a = torch.sigmoid(dt + self.A_log)
-        h0 = None if self.h0 is None else self.h0.expand(b, *self.h0.shape)
-        h = linear_scan(a[..., None, None], x[..., None] * B[..., None, :], h0)
-        y = torch.einsum("blhpn,blhn->blhp", h, C) + self.D[:, None] * x
-        return u + self.out(y.reshape(b, T, -1))
-
-
-class SsdNet(nn.Module):
-    def __init__(self, layers: int = 2, **kw):
-        super().__init__()
-        self.layers = nn.ModuleList(SsdLayer(**kw) for _ in range(layers))
-
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            u = layer(u)
-        return u
 
 
 class StateWatch(TorchDispatchMode):

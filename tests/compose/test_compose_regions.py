@@ -22,7 +22,7 @@ from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.runtime import AdjointRegion
 from gradshard.plans.chunked.runtime import ChunkedRegion
 from gradshard.runtime.compiled import GraphVariants, RegionGraphs
-from tests.adjoint.models import DiagonalSSM, init_like_training
+from tests.adjoint.models import DiagonalSSM, SsdNet, init_like_training
 
 from .helpers import assert_exact, composed
 
@@ -218,3 +218,15 @@ def test_compiled_producers_trim_their_outputs_inside_the_graph() -> None:
     # trimmed outside the compiled graph, autograd zero-filled a window-sized gradient of u per shard
     assert not windowed, windowed
     assert all(len(k) == 4 for k in region.graphs._graphs if k[0] == "producer")
+
+
+def test_chunked_regions_compile_their_shard_graphs_exactly() -> None:
+    """Both block forms under Inductor: SSD's from the log-decay (plain ops, fused) and the
+    lightning_attention custom op (a sigmoid decay); one graph per shard, no producer graphs."""
+    for decay in ("exp", "sigmoid"):
+        torch.manual_seed(0)
+        model = SsdNet(layers=1, decay=decay).double()
+        cm = assert_exact(model, (_x(2, 13, 6),), "adjoint", shard_size=4)
+        (region,) = _regions(cm, AdjointRegion)
+        assert region.chunked is not None and region.graphs.failures == 0
+        assert {k[0] for k in region.graphs._graphs} == {"shard"} and region.graphs.compiled_variants >= 3
