@@ -337,16 +337,21 @@ class StateFirstS4D(nn.Module):
 
 
 class SsdLayer(nn.Module):
-    """A Mamba-2 style mixer written with the canonical scan: per-head decay, ``u = x B^T``, ``y = h C``."""
+    """A Mamba-2 style mixer written with the canonical scan: a decay per head, ``u = x B^T``,
+    ``y = h C`` (``layout="pn"``); or linear attention's ``S = k^T v`` read as ``q S``
+    (``layout="kv"``). ``decay``: "exp" (SSD's ``exp(-softplus(dt) A)``), "sigmoid" (per step,
+    not an exp), "const" (one ``exp`` per head, no time axis)."""
 
-    def __init__(self, d: int = 6, heads: int = 3, p: int = 4, n: int = 5, decay: str = "exp", learn_h0: bool = False):
+    def __init__(self, d: int = 6, heads: int = 3, p: int = 4, n: int = 5, decay: str = "exp",
+                 learn_h0: bool = False, layout: str = "pn"):
         super().__init__()
-        self.heads, self.p, self.n, self.decay = heads, p, n, decay
+        self.heads, self.p, self.n, self.decay, self.layout = heads, p, n, decay, layout
         self.inp = nn.Linear(d, heads * p + 2 * n + heads)
         self.A_log = nn.Parameter(torch.rand(heads))
         self.D = nn.Parameter(torch.randn(heads))
         self.out = nn.Linear(heads * p, d)
-        self.h0 = nn.Parameter(torch.randn(heads, p, n)) if learn_h0 else None
+        state = (p, n) if layout == "pn" else (n, p)
+        self.h0 = nn.Parameter(torch.randn(heads, *state)) if learn_h0 else None
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         b, T, _ = u.shape
@@ -355,12 +360,19 @@ class SsdLayer(nn.Module):
         B = B[:, :, None, :].expand(b, T, self.heads, self.n)
         C = C[:, :, None, :].expand(b, T, self.heads, self.n)
         if self.decay == "exp":  # SSD's discretisation: the region's shards run SSD's block form
-            a = torch.exp(-F.softplus(dt) * torch.exp(self.A_log))
+            a = torch.exp(-F.softplus(dt) * torch.exp(self.A_log))[..., None, None]
+        elif self.decay == "const":
+            a = torch.exp(-torch.exp(self.A_log))[None, None, :, None, None]
         else:  # not an exp: the region runs the lightning_attention op on the decay itself
-            a = torch.sigmoid(dt + self.A_log)
+            a = torch.sigmoid(dt + self.A_log)[..., None, None]
         h0 = None if self.h0 is None else self.h0.expand(b, *self.h0.shape)
-        h = gs.kernels.linear_scan(a[..., None, None], x[..., None] * B[..., None, :], h0)
-        y = torch.einsum("blhpn,blhn->blhp", h, C) + self.D[:, None] * x
+        if self.layout == "pn":
+            h = gs.kernels.linear_scan(a, x[..., None] * B[..., None, :], h0)
+            y = torch.einsum("blhpn,blhn->blhp", h, C)
+        else:
+            h = gs.kernels.linear_scan(a, B[..., None] * x[..., None, :], h0)
+            y = torch.einsum("bthk,bthkv->bthv", C, h)
+        y = y + self.D[:, None] * x
         return u + self.out(y.reshape(b, T, -1))
 
 

@@ -59,18 +59,22 @@ class StateWatch(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("decay,learn_h0", [("exp", False), ("exp", True), ("sigmoid", False)])
-def test_ssd_regions_run_chunked_and_match_autograd(decay, learn_h0):
+@pytest.mark.parametrize("decay,learn_h0,layout", [
+    ("exp", False, "pn"), ("exp", True, "pn"), ("sigmoid", False, "pn"),  # Mamba-2's SSD
+    ("const", True, "kv"), ("sigmoid", False, "kv"),  # linear attention (MiniMax, RetNet): q S, S = k^T v
+])
+def test_outer_product_regions_run_chunked_and_match_autograd(decay, learn_h0, layout):
     torch.manual_seed(0)
-    model = SsdNet(decay=decay, learn_h0=learn_h0).double()
+    model = SsdNet(decay=decay, learn_h0=learn_h0, layout=layout).double()
     x = torch.randn(2, 37, 6, dtype=F64)
     cm = assert_same_grads(model, (x,), shard_size=8)
     regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
     assert len(regions) == 2 and all(r.chunked is not None for r in regions)
-    assert all(r.chunked.log_decay == (decay == "exp") for r in regions)
+    assert all(r.chunked.log_decay == (decay != "sigmoid") for r in regions)
+    assert all(r.chunked.contracted == (-1 if layout == "pn" else -2) for r in regions)
     assert "shards run chunked" in cm.explain()
     # no per-step states, forward or backward: only the few blocks' states of one shard
-    watch = StateWatch((3, 4, 5))
+    watch = StateWatch((3, 4, 5) if layout == "pn" else (3, 5, 4))
     with watch:
         cm(x.requires_grad_()).square().sum().backward()
     assert 0 < watch.most_steps <= 2

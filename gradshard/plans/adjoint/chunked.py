@@ -58,27 +58,35 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class ChunkedForm:
-    """A region runs its shards chunked (:mod:`gradshard.plans.adjoint.chunked`)."""
+    """A region runs its shards chunked (:mod:`gradshard.plans.adjoint.chunked`).
+
+    The state ``h`` (batch, heads, d1, d2) is ``left right^T`` summed with decay, ``left`` (.., d1)
+    and ``right`` (.., d2) the factors of ``u``; the readout contracts one state dim (the *keys*)
+    with a per-step query and returns the other (the *values*): SSD's ``h (P, N)`` read by ``C``
+    over ``N`` (``contracted=-1``), or linear attention's ``S (dk, dv)`` read by ``q`` over ``dk``
+    (``contracted=-2``)."""
 
     chunk: int  # block length
-    head_dim: int
-    d_state: int
-    x_arg: int  # which argument of the product ``u = x[..., None] * B[..., None, :]`` is ``x``
-    #: ``a = exp(z)`` with ``z`` (batch, time, heads): the shard computes SSD's block form from ``z``
+    keys: int
+    values: int
+    left_arg: int  # which argument of the product ``u = left[..., None] * right[..., None, :]`` is ``left``
+    contracted: int  # -1 or -2: the state dim the readout contracts
+    query_arg: int  # which einsum operand is the query
+    #: ``a = exp(z)``: the shard computes SSD's block form from ``z``
     #: (:func:`gradshard.kernels.ssd_torch.ssd_chunk_scan`, plain ops a compiler fuses); else the
     #: ``gradshard::lightning_attention`` op on the decay itself
     log_decay: bool = False
 
     def describe(self) -> str:
         how = "SSD block form from the log-decay" if self.log_decay else "gradshard::lightning_attention"
-        return (f"shards run chunked ({how}, blocks of {self.chunk}; the {self.head_dim}x{self.d_state} "
-                "state per head is never formed per step)")
+        return (f"shards run chunked ({how}, blocks of {self.chunk}; the {self.values}x{self.keys} state "
+                "per head is never formed per step)")
 
 
-def chunk_for(head_dim: int, d_state: int) -> int:
-    """The block length: about ``sqrt(head_dim * d_state)`` (the block's ``C^2`` score work against
-    its ``dk * dv`` state work), a power of two in [16, 64]."""
-    return int(min(64, max(16, 2 ** round(math.log2(math.sqrt(max(1, head_dim * d_state)))))))
+def chunk_for(values: int, keys: int) -> int:
+    """The block length: about ``sqrt(values * keys)`` (the block's ``C^2`` score work against its
+    ``dk * dv`` state work), a power of two in [16, 64]."""
+    return int(min(64, max(16, 2 ** round(math.log2(math.sqrt(max(1, values * keys)))))))
 
 
 def _shape(n: Any) -> Optional[tuple[int, ...]]:
@@ -92,27 +100,25 @@ def _outputs(gm: fx.GraphModule) -> tuple[fx.Node, list[Any]]:
     return out, (list(vals) if isinstance(vals, (tuple, list)) else [vals])
 
 
-def _outer_factors(u: Any) -> Optional[tuple[fx.Node, fx.Node]]:
-    """``(x_e, B_e)`` when ``u = x_e * B_e`` with ``x_e`` (..., P, 1) and ``B_e`` (..., 1, N), both
-    of ``u``'s full shape but the broadcast dim (in either order)."""
+def _outer_left(u: Any) -> Optional[int]:
+    """Which argument of ``u = left * right`` is ``left`` (..., d1, 1), ``right`` being (..., 1, d2),
+    both of ``u``'s full shape but the broadcast dim; None if ``u`` is not such a product."""
     if not isinstance(u, fx.Node) or u.op != "call_function" or u.target is not aten.mul.Tensor:
         return None
-    l, r = u.args[:2]
     us = _shape(u)
-    if us is None or len(us) != 5:
+    if us is None or len(us) != 5 or not all(isinstance(x, fx.Node) for x in u.args[:2]):
         return None
-    for xe, be in ((l, r), (r, l)):
-        xs, bs = _shape(xe), _shape(be)
-        if xs == us[:-1] + (1,) and bs == us[:-2] + (1, us[-1]):
-            return xe, be
-    return None  # (shapes are read at the captured length; re-specialised graphs use ChunkedForm.x_arg)
+    for i in (0, 1):
+        if _shape(u.args[i]) == us[:-1] + (1,) and _shape(u.args[1 - i]) == us[:-2] + (1, us[-1]):
+            return i
+    return None
 
 
 _VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default)
 
 
 def _log_decay(a: Any) -> Optional[fx.Node]:
-    """``z`` when ``a`` is ``exp(z)`` seen through trailing unsqueezes/views."""
+    """``z`` when ``a`` is ``exp(z)`` seen through unsqueezes/views."""
     while isinstance(a, fx.Node) and a.op == "call_function" and a.target in _VIEWS:
         a = a.args[0]
     if isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.exp.default:
@@ -120,53 +126,89 @@ def _log_decay(a: Any) -> Optional[fx.Node]:
     return None
 
 
-def _contraction(readout: fx.GraphModule) -> Optional[fx.Node]:
-    """The readout's only use of the state (placeholder 0): ``einsum("...pn,...n->...p", h, C)``
-    with ``C`` (batch, time, heads, N)."""
+def _contraction(readout: fx.GraphModule) -> Optional[tuple[fx.Node, int, int]]:
+    """``(einsum, contracted, query_arg)`` when the readout's only use of the state (placeholder 0)
+    is an einsum with a per-step query ``(batch, time, heads, keys)`` over one state dim, returning
+    ``(batch, time, heads, values)``: ``"blhpn,blhn->blhp"`` (-1) or ``"bthk,bthkv->bthv"`` (-2)."""
     h = next((n for n in readout.graph.nodes if n.op == "placeholder"), None)
     if h is None or len(h.users) != 1:
         return None
     (use,) = h.users
-    if use.op != "call_function" or use.target is not aten.einsum.default:
+    if use.op != "call_function" or use.target is not aten.einsum.default or len(use.args[1]) != 2:
         return None
-    eq, ops = use.args[0], use.args[1]
-    if len(ops) != 2 or ops[0] is not h or not isinstance(eq, str):
+    eq, ops = use.args[0], list(use.args[1])
+    if not isinstance(eq, str) or h not in ops or ops[0] is ops[1]:
         return None
     lhs, _, out = eq.replace(" ", "").partition("->")
-    sh, sc = (lhs.split(",") + [""])[:2]
-    if len(sh) != 5 or len(set(sh)) != 5 or sc != sh[:3] + sh[4] or out != sh[:4]:
+    subs = lhs.split(",")
+    qi = 1 - ops.index(h)
+    sh, sq = subs[1 - qi], subs[qi]
+    hs, qs = _shape(h), _shape(ops[qi])
+    if len(sh) != 5 or len(set(sh)) != 5 or len(sq) != 4 or len(out) != 4 or hs is None or len(hs) != 5:
         return None
-    hs, cs = _shape(h), _shape(ops[1])
-    if hs is None or cs != hs[:3] + hs[4:]:
+    if sq[:3] != sh[:3] or out[:3] != sh[:3]:
         return None
-    return use
+    for contracted, kept in ((-1, -2), (-2, -1)):
+        if sq[3] == sh[contracted] and out[3] == sh[kept] and qs == hs[:3] + (hs[contracted],):
+            return use, contracted, qi
+    return None
+
+
+def _broadcasts_over_state(a: Any, us: tuple[int, ...], time_dim: Optional[int]) -> bool:
+    """``a`` is a decay per (batch, step, head) -- each of those dims full or 1 -- constant over the
+    state (its last two dims 1), its time dim (if any) at 1."""
+    sa = _shape(a)
+    if sa is None or len(sa) > 5 or time_dim not in (None, 1):
+        return False
+    sa = (1,) * (5 - len(sa)) + sa
+    return sa[3:] == (1, 1) and all(d in (1, full) for d, full in zip(sa[:3], us[:3]))
 
 
 def match_chunked_form(producer: fx.GraphModule, readout: fx.GraphModule, scan: ScanSpec, io: RegionIO) -> Optional[ChunkedForm]:
     """The region's :class:`ChunkedForm`, or None when its graphs are not that form (a per-channel
-    decay, a state read otherwise than by the contraction, time not at dim 1, ...)."""
+    decay, a state read otherwise than by one contraction, time not at dim 1, ...)."""
     if scan.kind != "diagonal" or scan.rank != 5 or scan.time_dim != 1:
         return None
     merged = io.producer_merged or (None,) * len(io.producer_time_dims)
     if any(m is not None for m in merged[:2]) or io.producer_time_dims[1] != 1:
         return None
     _, vals = _outputs(producer)
-    factors = _outer_factors(vals[1])
-    if factors is None or len(vals[1].users) != 1:  # u is used only as the output
+    left = _outer_left(vals[1])
+    if left is None or len(vals[1].users) != 1:  # u is used only as the output
         return None
     us = _shape(vals[1])
-    if scan.has_a:
-        if _shape(vals[0]) != us[:3] + (1, 1) or io.producer_time_dims[0] != 1:
-            return None
+    if scan.has_a and not _broadcasts_over_state(vals[0], us, io.producer_time_dims[0]):
+        return None
     if scan.has_h0 and _shape(vals[2]) != (us[0],) + us[2:]:
         return None
-    use = _contraction(readout)
-    if use is None or _shape(use.args[1][1]) != us[:3] + us[4:]:
+    found = _contraction(readout)
+    if found is None:
         return None
-    z = _log_decay(vals[0]) if scan.has_a else None
-    return ChunkedForm(chunk=chunk_for(us[3], us[4]), head_dim=us[3], d_state=us[4],
-                       x_arg=0 if factors[0] is vals[1].args[0] else 1,
-                       log_decay=z is not None and _shape(z) == us[:3])
+    _, contracted, query_arg = found
+    return ChunkedForm(chunk=chunk_for(us[3], us[4]), keys=us[contracted], values=us[-3 - contracted],
+                       left_arg=left, contracted=contracted, query_arg=query_arg,
+                       log_decay=scan.has_a and _log_decay_per_step(vals[0]))
+
+
+def _log_decay_per_step(a: fx.Node) -> bool:
+    """``a = exp(z)`` with ``z`` laid out as ``a`` without its two state dims (right-aligned)."""
+    z = _log_decay(a)
+    sz, sa = _shape(z), _shape(a)
+    if sz is None or sa is None or len(sz) > 3:
+        return False
+    return (1,) * (3 - len(sz)) + sz == ((1,) * (5 - len(sa)) + sa)[:3]
+
+
+def _per_step(t: torch.Tensor, like: torch.Tensor, state_dims: int) -> torch.Tensor:
+    """A decay ``t`` (right-aligned to ``like``'s rank + ``state_dims``, constant over the last
+    ``state_dims`` dims) as ``(batch, steps, heads)`` like ``like``'s leading dims."""
+    if state_dims:
+        t = t.reshape(t.shape[:-state_dims])
+    return t.expand(like.shape[:3])
+
+
+def _transposed(h: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if h is None else h.transpose(-1, -2)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
@@ -179,9 +221,10 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
     """One shard as one graph: ``(*window inputs[, h_start]) -> (*readout outputs, h_end)``.
 
     ``producer`` runs on the window (already at its length), ``readout`` on the shard's ``steps``
-    (ditto); producer outputs are trimmed (``io``: their time dims) to the window's steps ``[start, start + steps)``. The state enters as ``h_start`` (``state_in``), else as the
-    producer's ``h0`` (``has_h0``), else as zero; ``h_end`` is in the canonical state layout
-    ``(batch, heads, head_dim, d_state)``.
+    (ditto); producer outputs are trimmed (``io``: their time dims) to the window's steps
+    ``[start, start + steps)``. The state enters as ``h_start`` (``state_in``), else as the
+    producer's ``h0`` (``has_h0``), else as zero; ``h_end`` is in the region's canonical state
+    layout ``(batch, heads, d1, d2)``.
     """
     g = fx.Graph()
     attrs: dict[str, Any] = {}
@@ -209,7 +252,7 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
         if n.op not in ("placeholder", "output"):
             copy_p(n)
     _, vals = _outputs(producer)
-    xe, be = vals[1].args[form.x_arg], vals[1].args[1 - form.x_arg]
+    a_dim = io.producer_time_dims[0] if vals[0] is not None else None
 
     def trimmed(n: Any, dim: Optional[int], merged: Optional[tuple[int, int]] = None) -> Any:
         if not isinstance(n, fx.Node) or dim is None:
@@ -218,25 +261,30 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
 
     merged = io.producer_merged or (None,) * len(io.producer_time_dims)
     rs = [trimmed(v, d, m) for v, d, m in zip(vals[3:], io.producer_time_dims[3:], merged[3:])]
-    x = g.call_function(aten.squeeze.dim, (trimmed(xe, 1), -1))
-    b = g.call_function(aten.squeeze.dim, (trimmed(be, 1), -2))
-    state = h_start if h_start is not None else penv[vals[2]] if has_h0 else None  # (b, H, P, N) or zero
-    item = lambda t, i: g.call_function(operator.getitem, (t, i))  # noqa: E731
+    call = lambda f, *args: g.call_function(f, args)  # noqa: E731
+    left = call(aten.squeeze.dim, trimmed(vals[1].args[form.left_arg], 1), -1)  # (b, steps, H, d1)
+    right = call(aten.squeeze.dim, trimmed(vals[1].args[1 - form.left_arg], 1), -2)  # (b, steps, H, d2)
+    values, keys = (left, right) if form.contracted == -1 else (right, left)
+    state = h_start if h_start is not None else penv[vals[2]] if has_h0 else None  # (b, H, d1, d2) or zero
+    # SSD's function keeps the state as (values, keys), the lightning op as (keys, values)
+    flip_ssd, flip_op = form.contracted == -2, form.contracted == -1
 
-    def emit(c: fx.Node) -> tuple[fx.Node, fx.Node]:
-        """``(y, h_end)`` of the shard's steps, ``y`` (b, steps, H, P) as the contraction's."""
+    def emit(query: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """``(y, h_end)`` of the shard's steps: ``y`` (b, steps, H, values) as the contraction's."""
         if form.log_decay:
-            res = g.call_function(ssd_chunk_scan, (trimmed(_log_decay(vals[0]), 1), x, b, c, state, form.chunk))
-            return item(res, 0), item(res, 1)
-        perm = lambda t: g.call_function(aten.permute.default, (t, [0, 2, 1, 3]))  # noqa: E731
+            z = call(_per_step, trimmed(_log_decay(vals[0]), a_dim), values, 0)
+            res = call(ssd_chunk_scan, z, values, keys, query, call(_transposed, state) if flip_ssd else state,
+                       form.chunk)
+            y, h_end = call(operator.getitem, res, 0), call(operator.getitem, res, 1)
+            return y, call(_transposed, h_end) if flip_ssd else h_end
+        heads_first = lambda t: call(aten.permute.default, t, [0, 2, 1, 3])  # noqa: E731
         decay = None
-        if vals[0] is not None:  # (b, steps, H, 1, 1) -> (b, H, steps)
-            a = g.call_function(aten.squeeze.dim, (g.call_function(aten.squeeze.dim, (trimmed(vals[0], 1), -1)), -1))
-            decay = g.call_function(aten.permute.default, (a, [0, 2, 1]))
-        s0 = None if state is None else g.call_function(aten.transpose.int, (state, -1, -2))  # S = h^T
-        res = g.call_function(torch.ops.gradshard.lightning_attention.default,
-                              (perm(c), perm(b), perm(x), decay, s0, form.chunk, backend))
-        return perm(item(res, 0)), g.call_function(aten.transpose.int, (item(res, 1), -1, -2))
+        if vals[0] is not None:  # (b, H, steps)
+            decay = call(aten.permute.default, call(_per_step, trimmed(vals[0], a_dim), values, 2), [0, 2, 1])
+        res = call(torch.ops.gradshard.lightning_attention.default, heads_first(query), heads_first(keys),
+                   heads_first(values), decay, call(_transposed, state) if flip_op else state, form.chunk, backend)
+        y, h_end = heads_first(call(operator.getitem, res, 0)), call(operator.getitem, res, 1)
+        return y, call(_transposed, h_end) if flip_op else h_end
 
     placeholders = [n for n in readout.graph.nodes if n.op == "placeholder"]
     renv: dict[fx.Node, Any] = dict(zip(placeholders[1:], rs))
@@ -249,9 +297,9 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
             outs = n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
             g.output((*[renv[o] if isinstance(o, fx.Node) else o for o in outs], h_end))
             break
-        if n.target is aten.einsum.default and n.args[1][0] is placeholders[0]:  # y = h C: the chunked shard
-            y, h_end = emit(renv[n.args[1][1]])
-            renv[n] = g.call_function(_as_contraction, (y, n.meta["val"].dtype if "val" in n.meta else None))
+        if n.target is aten.einsum.default and placeholders[0] in n.args[1]:  # the contraction: the block form
+            y, h_end = emit(renv[n.args[1][form.query_arg]])
+            renv[n] = call(_as_contraction, y, n.meta["val"].dtype if "val" in n.meta else None)
             continue
         copy_r(n)
     g.eliminate_dead_code()
