@@ -40,8 +40,11 @@ def test_ssd_block_form_equals_the_scan_values_and_gradients(T, chunk, with_h0, 
     gy, gh = torch.randn_like(y), torch.randn_like(hT)
     got = torch.autograd.grad((y, hT), ins, (gy, gh))
     want = torch.autograd.grad((y_ref, hT_ref), ins, (gy, gh))
+    # relative to the gradients' scale: with decays near underflow a gradient can be a difference of
+    # O(1) terms far below them (dz ~ 1e-6 here), exact to rounding of those terms only
+    scale = 1e-4 * max(r.norm().item() for r in want)
     for a, r in zip(got, want):
-        assert torch.isfinite(a).all() and rel_err(a, r) < 1e-11
+        assert torch.isfinite(a).all() and rel_err(a, r, floor=scale) < 1e-11
 
 
 class StateWatch(TorchDispatchMode):
