@@ -61,7 +61,7 @@ import torch
 import torch.fx as fx
 
 from .errors import GradshardError, node_error, summary
-from .runtime.compiled import RegionGraphs, signature
+from .runtime.compiled import RegionGraphs, SharedCompiles, signature
 from .schedule import Program
 
 __all__ = ["Segment", "ComposedGraph", "SegmentCompiler", "compose_graph", "compile_with_inductor", "mark_program",
@@ -321,6 +321,7 @@ def compose_graph(gm: fx.GraphModule, compiler: SegmentCompiler | None = None) -
     last_read: dict[str, int] = {}
     records: list[Segment] = []
     runners: list[Any] = []
+    region_compiler = SharedCompiles(compiler)  # layers' regions cut alike compile their graphs once
     for i, (name, kind, nodes) in enumerate(groups):
         members = set(nodes)
         inputs: list[fx.Node] = []
@@ -335,7 +336,7 @@ def compose_graph(gm: fx.GraphModule, compiler: SegmentCompiler | None = None) -
         rec = Segment(name, kind, tuple(n.name for n in nodes), tuple(a.name for a in inputs),
                       tuple(o.name for o in outputs))
         if kind == "region":
-            _hand_compiler_to_region(gm.get_submodule(str(nodes[0].target)), compiler)
+            _hand_compiler_to_region(gm.get_submodule(str(nodes[0].target)), region_compiler)
         records.append(rec)
         make = _maker(gm, nodes, inputs, outputs)
         runners.append(_CompiledStep(rec, make, nodes[0], compiler, compiler_name) if kind == "compiled"

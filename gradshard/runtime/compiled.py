@@ -16,6 +16,8 @@ rest of the program is compiled by Inductor (``gs.compile(..., inductor=True)``,
   variants, each compiled once. The compiler (by default ``compile_fx``: AOTAutograd, then
   Inductor) returns a differentiable callable, so ``torch.autograd.grad`` through a compiled
   backward recompute works as through the eager graph;
+* the compiler a program hands its regions is a :class:`SharedCompiles`: graphs of the same
+  structure (every layer's, cut alike) with the same input signature compile once per program;
 * a compile failure is logged once and that variant runs the eager graph: the compiled
   path is an optimisation, never a different gradient;
 * at most :data:`MAX_GRAPHS` graphs per region are compiled: a model called at ever new
@@ -28,6 +30,7 @@ With no compiler set the region runs its graphs eagerly, as before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence
@@ -38,8 +41,8 @@ import torch.fx as fx
 from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 
-__all__ = ["GraphCompiler", "signature", "GraphVariants", "RegionGraphs", "fresh_copy", "LengthCache",
-           "forgetting_new_lengths", "MAX_GRAPHS"]
+__all__ = ["GraphCompiler", "signature", "graph_structure", "SharedCompiles", "GraphVariants", "RegionGraphs",
+           "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]
 
 #: ``compiler(gm, example_inputs) -> callable`` taking the graph's inputs unboxed (the
 #: ``SegmentCompiler`` protocol of :mod:`gradshard.compose`).
@@ -60,6 +63,62 @@ def signature(args: Sequence[Any]) -> tuple:
         else:
             sig.append(("value", a))
     return tuple(sig)
+
+
+def graph_structure(gm: fx.GraphModule) -> tuple:
+    """What ``gm`` computes, without its node names: per node its op, target and arguments (other
+    nodes by position). Two layers' graphs cut alike have the same structure; a constant
+    (``get_attr``) or submodule counts by identity, so layers with their own constants differ."""
+    index: dict[fx.Node, int] = {}
+    items: list[tuple] = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        if n.op in ("get_attr", "call_module"):
+            target: Any = (n.op, _Same(functools.reduce(getattr, str(n.target).split("."), gm)))
+        elif n.op == "placeholder":
+            target = None
+        else:
+            target = n.target
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("%node", index[a]))
+        items.append((n.op, target, repr(args)))
+    return tuple(items)
+
+
+class _Same:
+    """An object compared by identity, kept alive by the key holding it (so its id is never reused)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class SharedCompiles:
+    """``compiler``, remembering what it compiled by graph structure and input signature: the
+    regions of one program (every layer's producer, readout or shard graph, cut alike) compile
+    each distinct graph once, not once per layer. The compiled callables take every tensor --
+    parameters included -- as an input, so one serves every layer."""
+
+    def __init__(self, compiler: GraphCompiler) -> None:
+        self.compiler = compiler
+        self.display_name = getattr(compiler, "display_name", getattr(compiler, "__name__", type(compiler).__name__))
+        self._done: dict[tuple, Callable[..., Any]] = {}
+        self.hits = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        key = (graph_structure(gm), signature(example_inputs))
+        fn = self._done.get(key)
+        if fn is None:
+            fn = self._done[key] = self.compiler(gm, example_inputs)
+        else:
+            self.hits += 1
+        return fn
 
 
 def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:

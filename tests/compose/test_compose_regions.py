@@ -48,7 +48,7 @@ def test_adjoint_regions_compile_their_graphs_once_per_length_and_mode() -> None
     x = _x(2, 11, 6)
     cm = assert_exact(model, (x,), "adjoint", compiler=aot_eager, shard_size=4)
     regions = _regions(cm, AdjointRegion)
-    assert regions and all(r.graphs.compiler is aot_eager for r in regions)
+    assert regions and all(r.graphs.compiler.compiler is aot_eager for r in regions)  # shared by the regions
     for r in regions:
         keys = set(r.graphs._graphs)
         # the producers per window length and trim: the first shard's window has no left halo
@@ -230,3 +230,21 @@ def test_chunked_regions_compile_their_shard_graphs_exactly() -> None:
         (region,) = _regions(cm, AdjointRegion)
         assert region.chunked is not None and region.graphs.failures == 0
         assert {k[0] for k in region.graphs._graphs} == {"shard"} and region.graphs.compiled_variants >= 3
+
+
+def test_layers_cut_alike_compile_their_graphs_once() -> None:
+    """Every layer's shard graph has one structure: the program compiles each variant once."""
+    calls: list[int] = []
+
+    def counting(gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        return aot_eager(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model = SsdNet(layers=3).double()
+    cm = assert_exact(model, (_x(2, 13, 6),), "adjoint", compiler=counting, shard_size=4)
+    regions = _regions(cm, AdjointRegion)
+    variants = [r.graphs.compiled_variants for r in regions]
+    assert len(regions) == 3 and variants[0] == variants[1] == variants[2] > 0
+    assert len(calls) == variants[0]  # the other two layers reuse layer 0's compiled variants
+    assert regions[0].graphs.compiler.hits == variants[1] + variants[2]
