@@ -102,3 +102,13 @@ def test_truncated_adjoint_keeps_the_per_step_form():
     x = torch.randn(1, 21, 6, dtype=F64)
     cm = assert_same_grads(model, (x,), plan="truncated_adjoint", shard_size=8, window=64)
     assert all(m.chunked is None for m in cm.graph.modules() if hasattr(m, "chunked"))
+
+
+def test_chunked_regions_recompute_layer_inputs_from_the_region_before():
+    """A chained input's window is the region before rerun from its checkpoints -- in block form."""
+    torch.manual_seed(3)
+    model = SsdNet(layers=3).double()
+    x = torch.randn(2, 30, 6, dtype=F64)
+    cm = assert_same_grads(model, (x,), shard_size=8, recompute_layer_inputs=True)
+    regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
+    assert all(r.chunked is not None for r in regions) and any(r.chained for r in regions)
