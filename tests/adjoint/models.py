@@ -340,11 +340,13 @@ class SsdLayer(nn.Module):
     """A Mamba-2 style mixer written with the canonical scan: a decay per head, ``u = x B^T``,
     ``y = h C`` (``layout="pn"``); or linear attention's ``S = k^T v`` read as ``q S``
     (``layout="kv"``). ``decay``: "exp" (SSD's ``exp(-softplus(dt) A)``), "sigmoid" (per step,
-    not an exp), "const" (one ``exp`` per head, no time axis)."""
+    not an exp), "const" (one ``exp`` per head, no time axis). ``final_state``: also return the
+    last step's state."""
 
     def __init__(self, d: int = 6, heads: int = 3, p: int = 4, n: int = 5, decay: str = "exp",
-                 learn_h0: bool = False, layout: str = "pn"):
+                 learn_h0: bool = False, layout: str = "pn", final_state: bool = False):
         super().__init__()
+        self.final_state = final_state
         self.heads, self.p, self.n, self.decay, self.layout = heads, p, n, decay, layout
         self.inp = nn.Linear(d, heads * p + 2 * n + heads)
         self.A_log = nn.Parameter(torch.rand(heads))
@@ -372,8 +374,8 @@ class SsdLayer(nn.Module):
         else:
             h = gs.kernels.linear_scan(a, B[..., None] * x[..., None, :], h0)
             y = torch.einsum("bthk,bthkv->bthv", C, h)
-        y = y + self.D[:, None] * x
-        return u + self.out(y.reshape(b, T, -1))
+        y = u + self.out((y + self.D[:, None] * x).reshape(b, T, -1))
+        return (y, h[:, -1]) if self.final_state else y
 
 
 class SsdNet(nn.Module):

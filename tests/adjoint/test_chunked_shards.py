@@ -13,7 +13,7 @@ from gradshard.kernels import linear_scan
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 
 from .helpers import assert_same_grads, rel_err
-from .models import SsdNet
+from .models import SsdLayer, SsdNet
 
 F64 = torch.float64
 
@@ -112,3 +112,11 @@ def test_chunked_regions_recompute_layer_inputs_from_the_region_before():
     cm = assert_same_grads(model, (x,), shard_size=8, recompute_layer_inputs=True)
     regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
     assert all(r.chunked is not None for r in regions) and any(r.chained for r in regions)
+
+
+def test_the_final_state_gradient_enters_the_last_shard():
+    torch.manual_seed(4)
+    model = SsdLayer(final_state=True).double()
+    cm = assert_same_grads(model, (torch.randn(2, 21, 6, dtype=F64),), shard_size=8)
+    (region,) = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
+    assert region.chunked is not None and region.io.final_state
