@@ -30,8 +30,8 @@ With no compiler set the region runs its graphs eagerly, as before.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import operator
 import time
 from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence
 
@@ -74,7 +74,7 @@ def graph_structure(gm: fx.GraphModule) -> tuple:
     for i, n in enumerate(gm.graph.nodes):
         index[n] = i
         if n.op in ("get_attr", "call_module"):
-            target: Any = (n.op, _Same(functools.reduce(getattr, str(n.target).split("."), gm)))
+            target: Any = (n.op, _Same(operator.attrgetter(str(n.target))(gm)))
         elif n.op == "placeholder":
             target = None
         else:

@@ -38,7 +38,6 @@ builds the shard graph at a window length.
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -211,10 +210,6 @@ def _transposed(h: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if h is None else h.transpose(-1, -2)
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    return functools.reduce(getattr, target.split("."), gm)
-
-
 def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form: ChunkedForm, io: RegionIO,
                         start: int, steps: int, *, state_in: bool, has_h0: bool,
                         backend: Optional[str]) -> fx.GraphModule:
@@ -234,7 +229,7 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
         def copy(n: fx.Node) -> fx.Node:
             new = g.node_copy(n, lambda a: env[a])
             if n.op == "get_attr":
-                obj = _attr(gm, n.target)
+                obj = operator.attrgetter(n.target)(gm)
                 if attrs.get(n.target, obj) is not obj:
                     new.target = f"{prefix}_{n.target.replace('.', '_')}"
                 attrs[new.target] = obj
