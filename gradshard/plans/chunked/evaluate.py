@@ -27,6 +27,7 @@ import torch.fx as fx
 from gradshard.errors import GradshardError, UnsupportedGraphError, node_error, summary
 from gradshard.plans.chunked.attention import AttentionStash, stash_slot
 from gradshard.plans.chunked.frames import SKIP, Demand, is_empty
+from gradshard.plans.chunked.windows import narrow_window
 
 __all__ = ["ChunkEvaluator", "NeedsCache", "FutureRead"]
 
@@ -73,6 +74,9 @@ class ChunkEvaluator:
         self.stash = stash
         #: node name -> the compiled group running it (groups.py); None: node by node
         self.groups = None if dry else groups
+        #: node name -> the window this chunk computes it on; smaller windows are narrows of it
+        self.windows = program.windows(index)
+        self._computing: set[tuple[str, Demand]] = set()
 
     # ---------------------------------------------------------------- inputs
 
@@ -112,14 +116,31 @@ class ChunkEvaluator:
                 out = out.narrow(t.dim, lo, hi - lo)
         elif demand and is_empty(demand):
             out = self._empty(node, demand)
+        elif (whole := self._window(node, demand)) is not None:
+            out = narrow_window(prog, node.name, self.value(node, (whole,)), whole, demand[0])
         else:
-            out = self._compute(node, demand)
+            self._computing.add(key)
+            try:
+                out = self._compute(node, demand)
+            finally:
+                self._computing.discard(key)
         self.memo[key] = out
         self._keys.setdefault(node.name, []).append(key)
         if self.dry:  # byte accounting only for the dry run's estimates
             self.live_bytes += _own_bytes(out)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
+
+    def _window(self, node: fx.Node, demand: Demand) -> tuple[int, int] | None:
+        """The node's chunk window when ``demand`` lies strictly inside it (and it is not being
+        computed right now: a rule may ask its own node for a part of the window), else None."""
+        whole = self.windows.get(node.name)
+        if whole is None or len(demand) != 1 or demand[0] == whole:
+            return None
+        (lo, hi), = demand
+        if not (whole[0] <= lo and hi <= whole[1]) or (node.name, (whole,)) in self._computing:
+            return None
+        return whole
 
     def _release(self, node: fx.Node) -> None:
         """A consumer of ``node`` finished: once all have, drop its values (unless pinned)."""

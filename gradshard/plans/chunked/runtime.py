@@ -43,6 +43,7 @@ from gradshard.plans.chunked.groups import GroupCache, GroupRunner, find_local_g
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.reductions import Reduction
 from gradshard.plans.chunked.rules import AttentionSource, NodeRule
+from gradshard.plans.chunked.windows import chunk_windows
 
 __all__ = [
     "RegionOutput", "ChunkEstimate", "ChunkProgram", "Selection", "sample_chunks", "force_selection",
@@ -117,6 +118,14 @@ class ChunkProgram:
             if o.kind == "reduction":
                 pinned |= {a.name for a in self.slots.get(o.name, ())}
         self.pinned = pinned
+        self._windows: dict[int, dict[str, tuple[int, int]]] = {}
+
+    def windows(self, j: int) -> dict[str, tuple[int, int]]:
+        """Node name -> the window chunk ``j`` computes it on (:mod:`~gradshard.plans.chunked.windows`)."""
+        wins = self._windows.get(j)
+        if wins is None:
+            wins = self._windows[j] = chunk_windows(self, j)
+        return wins
 
     @property
     def num_chunks(self) -> int:
