@@ -50,7 +50,7 @@ import gradshard.ops.lightning  # noqa: F401 - registers torch.ops.gradshard.lig
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 from gradshard.plans.adjoint.layout import RegionIO, ScanSpec, trim
 
-__all__ = ["ChunkedForm", "match_chunked_form", "chunked_shard_graph", "chunk_for"]
+__all__ = ["ChunkedForm", "match_chunked_form", "chunked_shard_graph", "chunk_for", "block_form_flops"]
 
 aten = torch.ops.aten
 
@@ -196,6 +196,28 @@ def _log_decay_per_step(a: fx.Node) -> bool:
     if sz is None or sa is None or len(sz) > 3:
         return False
     return (1,) * (3 - len(sz)) + sz == ((1,) * (5 - len(sa)) + sa)[:3]
+
+
+def block_form_flops(form: ChunkedForm, batch: int, steps: int, heads: int, decay: bool) -> tuple[int, int]:
+    """``(forward, backward)`` FLOPs of the block form over ``steps`` steps from an initial state,
+    counted by ``torch.utils.flop_counter`` on meta tensors (shapes only, nothing allocated)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, device="meta", requires_grad=True)
+
+    x, k, q = t(batch, steps, heads, form.values), t(batch, steps, heads, form.keys), t(batch, steps, heads, form.keys)
+    with FlopCounterMode(display=False) as counter:
+        if form.log_decay:
+            y, h = ssd_chunk_scan(t(batch, steps, heads), x, k, q, t(batch, heads, form.values, form.keys), form.chunk)
+        else:
+            first = lambda z: z.transpose(1, 2)  # noqa: E731
+            y, h = torch.ops.gradshard.lightning_attention(
+                first(q), first(k), first(x), t(batch, heads, steps) if decay else None,
+                t(batch, heads, form.keys, form.values), form.chunk, None)
+        forward = counter.get_total_flops()
+        torch.autograd.backward((y, h), (torch.ones_like(y), torch.ones_like(h)))
+    return forward, counter.get_total_flops() - forward
 
 
 def _per_step(t: torch.Tensor, like: torch.Tensor, state_dims: int) -> torch.Tensor:

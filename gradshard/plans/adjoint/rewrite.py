@@ -49,7 +49,7 @@ from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.plans.adjoint.links import assign_gradient_donors, chain_layer_inputs
-from gradshard.plans.adjoint.chunked import match_chunked_form
+from gradshard.plans.adjoint.chunked import ChunkedForm, block_form_flops, match_chunked_form
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.reductions import split_time_reductions
@@ -124,6 +124,16 @@ def _costs(plan: RegionPlan, T: int, shard: int, remat: frozenset[int] = frozens
     }
 
 
+def _block_costs(plan: RegionPlan, form: ChunkedForm, h: fx.Node) -> dict[str, int]:
+    """A chunked region's block form: its forward and backward FLOPs over the captured length
+    (:func:`block_form_flops`), and the FLOPs of the per-step contraction it replaces."""
+    b, T, H = plan.producer_outputs[1].meta["val"].shape[:3]
+    forward, backward = block_form_flops(form, int(b), int(T), int(H), plan.scan.has_a)
+    contraction = [node_cost(n) for n in plan.readout if n.target is torch.ops.aten.einsum.default and h in n.args[1]]
+    return {"block_flops": forward, "block_bwd_flops": backward,
+            "contraction_flops": sum(c.fwd_flops + c.bwd_flops for c in contraction)}
+
+
 def _remat_leaves(remats: list[InputRematPlan]) -> list[fx.Node]:
     """The extra region inputs the remats read (deduplicated, in first-use order)."""
     return list(dict.fromkeys(leaf for r in remats for leaf in r.leaves))
@@ -160,6 +170,8 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
     anchors = tuple(leaf for r in remats for leaf, d in zip(r.leaves, r.leaf_time_dims)
                     if d is not None and leaf.op == "call_function")
     costs = _costs(plan, plan.io.captured_len, shard_size, frozenset(r.index for r in remats), tuple(dict.fromkeys(anchors)))
+    if form is not None:
+        costs.update(_block_costs(plan, form, h))
     return AdjointRegion(name, producer, readout, facts, plan.scan, plan.io, plan=plan_name, shard_size=shard_size,
                          window=window, describe=desc, costs=costs, remats=built, n_extra=len(extra), chunked=form)
 

@@ -311,9 +311,12 @@ class AdjointRegion(LengthCache, nn.Module):
         kernel = (self.chunked_kernel() if self.chunked is not None
                   else _scan_kernel_name(self.scan.kind, self.kernel_backend))
         lam = "truncated adjoint (blockwise, window %s)" % self.window if self.plan == "truncated_adjoint" else "adjoint"
+        # a chunked region's block form replaces the per-step scan and its contraction
+        scan_flops = c.get("block_flops", 0) if self.chunked is not None else c.get("scan_flops", 0)
+        readout_flops = c.get("readout_flops", 0) - c.get("contraction_flops", 0)
         fwd = Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
                     memory_bytes=int(c.get("saved_bytes", 0)),
-                    flops=int(c.get("producer_flops", 0) + c.get("scan_flops", 0) + c.get("readout_flops", 0)),
+                    flops=int(c.get("producer_flops", 0) + scan_flops + readout_flops),
                     kernel=kernel, note=f"{len(shards)} shard(s) of {self.shard_size}; saves the layer input and "
                                         f"{len(shards)} state checkpoint(s)")
         out = [fwd]
@@ -326,7 +329,8 @@ class AdjointRegion(LengthCache, nn.Module):
                 out.append(Stage(name=f"{n}:shard{k}:vjp_shard", kind="vjp_shard", phase="backward", region=n,
                                  memory_bytes=int(per_step("producer_bytes") * L),
                                  flops=int((per_step("producer_flops") + per_step("producer_bwd_flops")) * L
-                                           + per_step("readout_flops") * S),
+                                           + (readout_flops + c.get("block_flops", 0) + c.get("block_bwd_flops", 0))
+                                           * S / max(T, 1)),
                                  kernel=kernel, note=f"steps [{ws}, {we}) -> shard [{s}, {e}) in blocks of "
                                                      f"{self.chunked.chunk}, from its checkpoint; carries dL/dh"))
             return out
