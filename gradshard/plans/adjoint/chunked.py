@@ -38,7 +38,6 @@ builds the shard graph at a window length.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -47,10 +46,12 @@ import torch
 import torch.fx as fx
 
 import gradshard.ops.lightning  # noqa: F401 - registers torch.ops.gradshard.lightning_attention
+from gradshard.analysis.outer_scan import (
+    block_length, decays_over_state, log_decay, log_decay_per_step, node_shape, outer_left, state_contraction)
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 from gradshard.plans.adjoint.layout import RegionIO, ScanSpec, trim
 
-__all__ = ["ChunkedForm", "match_chunked_form", "chunked_shard_graph", "chunk_for", "block_form_flops"]
+__all__ = ["ChunkedForm", "match_chunked_form", "chunked_shard_graph", "block_form_flops"]
 
 aten = torch.ops.aten
 
@@ -82,85 +83,21 @@ class ChunkedForm:
                 "per head is never formed per step)")
 
 
-def chunk_for(values: int, keys: int) -> int:
-    """The block length: about ``sqrt(values * keys)`` (the block's ``C^2`` score work against its
-    ``dk * dv`` state work), a power of two in [16, 64]."""
-    return int(min(64, max(16, 2 ** round(math.log2(math.sqrt(max(1, values * keys)))))))
-
-
-def _shape(n: Any) -> Optional[tuple[int, ...]]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
-
-
 def _outputs(gm: fx.GraphModule) -> tuple[fx.Node, list[Any]]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     vals = out.args[0]
     return out, (list(vals) if isinstance(vals, (tuple, list)) else [vals])
 
 
-def _outer_left(u: Any) -> Optional[int]:
-    """Which argument of ``u = left * right`` is ``left`` (..., d1, 1), ``right`` being (..., 1, d2),
-    both of ``u``'s full shape but the broadcast dim; None if ``u`` is not such a product."""
-    if not isinstance(u, fx.Node) or u.op != "call_function" or u.target is not aten.mul.Tensor:
-        return None
-    us = _shape(u)
-    if us is None or len(us) != 5 or not all(isinstance(x, fx.Node) for x in u.args[:2]):
-        return None
-    for i in (0, 1):
-        if _shape(u.args[i]) == us[:-1] + (1,) and _shape(u.args[1 - i]) == us[:-2] + (1, us[-1]):
-            return i
-    return None
-
-
-_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default)
-
-
-def _log_decay(a: Any) -> Optional[fx.Node]:
-    """``z`` when ``a`` is ``exp(z)`` seen through unsqueezes/views."""
-    while isinstance(a, fx.Node) and a.op == "call_function" and a.target in _VIEWS:
-        a = a.args[0]
-    if isinstance(a, fx.Node) and a.op == "call_function" and a.target is aten.exp.default:
-        return a.args[0] if isinstance(a.args[0], fx.Node) else None
-    return None
-
-
 def _contraction(readout: fx.GraphModule) -> Optional[tuple[fx.Node, int, int]]:
     """``(einsum, contracted, query_arg)`` when the readout's only use of the state (placeholder 0)
-    is an einsum with a per-step query ``(batch, time, heads, keys)`` over one state dim, returning
-    ``(batch, time, heads, values)``: ``"blhpn,blhn->blhp"`` (-1) or ``"bthk,bthkv->bthv"`` (-2)."""
+    is a contraction with a per-step query (:func:`~gradshard.analysis.outer_scan.state_contraction`)."""
     h = next((n for n in readout.graph.nodes if n.op == "placeholder"), None)
     if h is None or len(h.users) != 1:
         return None
     (use,) = h.users
-    if use.op != "call_function" or use.target is not aten.einsum.default or len(use.args[1]) != 2:
-        return None
-    eq, ops = use.args[0], list(use.args[1])
-    if not isinstance(eq, str) or h not in ops or ops[0] is ops[1]:
-        return None
-    lhs, _, out = eq.replace(" ", "").partition("->")
-    subs = lhs.split(",")
-    qi = 1 - ops.index(h)
-    sh, sq = subs[1 - qi], subs[qi]
-    hs, qs = _shape(h), _shape(ops[qi])
-    if len(sh) != 5 or len(set(sh)) != 5 or len(sq) != 4 or len(out) != 4 or hs is None or len(hs) != 5:
-        return None
-    if sq[:3] != sh[:3] or out[:3] != sh[:3]:
-        return None
-    for contracted, kept in ((-1, -2), (-2, -1)):
-        if sq[3] == sh[contracted] and out[3] == sh[kept] and qs == hs[:3] + (hs[contracted],):
-            return use, contracted, qi
-    return None
-
-
-def _broadcasts_over_state(a: Any, us: tuple[int, ...], time_dim: Optional[int]) -> bool:
-    """``a`` is a decay per (batch, step, head) -- each of those dims full or 1 -- constant over the
-    state (its last two dims 1), its time dim (if any) at 1."""
-    sa = _shape(a)
-    if sa is None or len(sa) > 5 or time_dim not in (None, 1):
-        return False
-    sa = (1,) * (5 - len(sa)) + sa
-    return sa[3:] == (1, 1) and all(d in (1, full) for d, full in zip(sa[:3], us[:3]))
+    found = state_contraction(use, h)
+    return None if found is None else (use, *found)
 
 
 def match_chunked_form(producer: fx.GraphModule, readout: fx.GraphModule, scan: ScanSpec, io: RegionIO) -> Optional[ChunkedForm]:
@@ -172,30 +109,21 @@ def match_chunked_form(producer: fx.GraphModule, readout: fx.GraphModule, scan: 
     if any(m is not None for m in merged[:2]) or io.producer_time_dims[1] != 1:
         return None
     _, vals = _outputs(producer)
-    left = _outer_left(vals[1])
+    left = outer_left(vals[1])
     if left is None or len(vals[1].users) != 1:  # u is used only as the output
         return None
-    us = _shape(vals[1])
-    if scan.has_a and not _broadcasts_over_state(vals[0], us, io.producer_time_dims[0]):
+    us = node_shape(vals[1])
+    if scan.has_a and not decays_over_state(vals[0], us, io.producer_time_dims[0]):
         return None
-    if scan.has_h0 and _shape(vals[2]) != (us[0],) + us[2:]:
+    if scan.has_h0 and node_shape(vals[2]) != (us[0],) + us[2:]:
         return None
     found = _contraction(readout)
     if found is None:
         return None
     _, contracted, query_arg = found
-    return ChunkedForm(chunk=chunk_for(us[3], us[4]), keys=us[contracted], values=us[-3 - contracted],
+    return ChunkedForm(chunk=block_length(us[3], us[4]), keys=us[contracted], values=us[-3 - contracted],
                        left_arg=left, contracted=contracted, query_arg=query_arg,
-                       log_decay=scan.has_a and _log_decay_per_step(vals[0]))
-
-
-def _log_decay_per_step(a: fx.Node) -> bool:
-    """``a = exp(z)`` with ``z`` laid out as ``a`` without its two state dims (right-aligned)."""
-    z = _log_decay(a)
-    sz, sa = _shape(z), _shape(a)
-    if sz is None or sa is None or len(sz) > 3:
-        return False
-    return (1,) * (3 - len(sz)) + sz == ((1,) * (5 - len(sa)) + sa)[:3]
+                       log_decay=scan.has_a and log_decay_per_step(vals[0]))
 
 
 def block_form_flops(form: ChunkedForm, batch: int, steps: int, heads: int, decay: bool) -> tuple[int, int]:
@@ -289,7 +217,7 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
     def emit(query: fx.Node) -> tuple[fx.Node, fx.Node]:
         """``(y, h_end)`` of the shard's steps: ``y`` (b, steps, H, values) as the contraction's."""
         if form.log_decay:
-            z = call(_per_step, trimmed(_log_decay(vals[0]), a_dim), values, 0)
+            z = call(_per_step, trimmed(log_decay(vals[0]), a_dim), values, 0)
             res = call(ssd_chunk_scan, z, values, keys, query, call(_transposed, state) if flip_ssd else state,
                        form.chunk)
             y, h_end = call(operator.getitem, res, 0), call(operator.getitem, res, 1)

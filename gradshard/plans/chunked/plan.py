@@ -401,8 +401,12 @@ def _run_chunk(program: ChunkProgram, flat: list[Any], j: int) -> ChunkEvaluator
             ev.chunk_value(o.name)
         else:
             o.reduction.partial(program.nodes[o.name], ev)
-    for name in program.cache_points:
-        ev.chunk_value(name)
+    for name in program.cache_points:  # a scan's carry is its last step (retention: from the reads)
+        (lo, hi), = program.chunk_demand(name, j)
+        if program.rules[name].kind == "scan" and hi > lo:
+            ev.value(program.nodes[name], ((hi - 1, hi),))
+        else:
+            ev.chunk_value(name)
     return ev
 
 
@@ -455,6 +459,7 @@ def _set_retention(program: ChunkProgram, stats: dict[int, tuple[int, int, list[
         else:
             retention = max(s - lo for _, lo, s in rs)
         program.cache_points[name] = CacheSpec(spec.name, spec.dim, spec.length, retention, spec.reason)
+    program.refresh_uses()  # the chunk windows follow what the cache points keep
 
 
 def _estimates(program: ChunkProgram, stats: dict[int, tuple[int, int, list[tuple[str, int, int]]]]) -> list[ChunkEstimate]:

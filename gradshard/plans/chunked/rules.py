@@ -72,10 +72,28 @@ class NodeRule:
     kind: str = "local"
     elem_frames: tuple[Frame, ...] | None = None
     note: str = ""
+    #: what ``run`` needs beyond its slots (a block-read scan's factors: rules_block.py)
+    data: Any = None
+    #: the nodes ``run`` reads itself beyond its slots, and on which windows
+    #: (:class:`ExtraReads`): the chunk windows include them and the memo keeps them
+    reads: "ExtraReads | None" = None
 
     @property
     def mixer(self) -> bool:
         return self.kind in ("mixer", "scan")
+
+
+class ExtraReads:
+    """What a rule's ``run`` asks of other nodes itself: ``nodes``, and ``windows(win, start)`` --
+    the ``(node name, window)`` pairs it asks for when run on ``win`` in a chunk starting at ``start``."""
+
+    nodes: tuple[str, ...] = ()
+    #: False: the node is computed on each window asked of it, not on their hull (a scan asked
+    #: for its carry at the chunk's start and its cached steps at the end: the hull is the chunk)
+    hull: bool = True
+
+    def windows(self, win: tuple[int, int], start: int) -> list[tuple[str, tuple[int, int]]]:
+        raise NotImplementedError
 
 
 @dataclass

@@ -18,6 +18,7 @@ import torch.fx as fx
 from gradshard.errors import node_error
 from gradshard.ops.rolled_body import run_rolled_body
 from gradshard.plans.chunked.frames import SKIP, Demand, DimMap, TDim
+from gradshard.plans.chunked.rules_block import block_readout_rule, block_states_rule, match_block_scan
 from gradshard.plans.chunked.rules import (
     AttentionSource, BuildCtx, CHUNK_RULES, default_run, meta_shape, NodeRule, positional,
     rebuild_args, register_chunk_rule, slots_of, _arg, _frame_from, _index_of, _INSTEAD, _norm,
@@ -156,7 +157,12 @@ def _einsum_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
             l = letters[td.dim]
             maps.append(DimMap("prefix", 0) if l in contracted else DimMap("same", _index_of(frame, out_letters.index(l))))
         slot_maps.append(tuple(maps) or None)
-    return NodeRule(frame, tuple(slot_maps), default_run, kind="mixer" if contracted else "local")
+    rule = NodeRule(frame, tuple(slot_maps), default_run, kind="mixer" if contracted else "local")
+    for op in operands:  # the contraction of a scan's state: block form (rules_block.py)
+        bs = match_block_scan(op, bc)
+        if bs is not None:
+            return block_readout_rule(rule, node, bs)
+    return rule
 
 
 # --------------------------------------------------------------------------- reductions
@@ -382,7 +388,9 @@ def _dense_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
 def _linear_scan_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if _arg(node, 3, "reverse", False):
         raise node_error(node, "a reverse scan reads future steps", _INSTEAD)
-    return _carried_scan_rule(node, bc, "linear_scan", _linear_scan_run)
+    rule = _carried_scan_rule(node, bc, "linear_scan", _linear_scan_run)
+    bs = match_block_scan(node, bc)  # read only by contractions: per-step states only where asked
+    return rule if bs is None else block_states_rule(rule, bs)
 
 
 # --------------------------------------------------------------------------- attention

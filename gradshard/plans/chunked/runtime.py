@@ -114,6 +114,8 @@ class ChunkProgram:
         self.use_counts = counts
         self.inputs_of = {name: tuple(zip(self.slots.get(name, ()), rule.slots)) for name, rule in self.rules.items()}
         pinned = {o.name for o in self.outputs} | set(self.cache_points)
+        # what rules read outside their slots is not counted down: kept for the chunk
+        pinned |= {n for rule in self.rules.values() if rule.reads is not None for n in rule.reads.nodes}
         for o in self.outputs:
             if o.kind == "reduction":
                 pinned |= {a.name for a in self.slots.get(o.name, ())}
@@ -138,6 +140,12 @@ class ChunkProgram:
         if j == self.num_chunks - 1:
             hi = t.length
         return ((min(lo, t.length), min(hi, t.length)),)
+
+    def cache_window(self, name: str, j: int) -> tuple[int, int]:
+        """The steps of chunk ``j`` cache point ``name`` keeps: all, or its last ``retention``."""
+        (lo, hi), = self.chunk_demand(name, j)
+        keep = self.cache_points[name].retention
+        return (lo, hi) if keep is None else (max(lo, hi - keep), hi)
 
     def cache_bytes(self) -> int:
         """Bytes of all cache points at the full sequence length (retention respected)."""
@@ -234,9 +242,9 @@ def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: Attentio
                     nums[o.name] = num if o.name not in nums else nums[o.name] + num
                     if den is not None:
                         dens[o.name] = den if o.name not in dens else dens[o.name] + den
-            for name in program.cache_points:
-                (lo, _), = program.chunk_demand(name, j)
-                cache.write(name, j, lo, ev.chunk_value(name))
+            for name in program.cache_points:  # only the steps it keeps (a scan: not its every state)
+                win = program.cache_window(name, j)
+                cache.write(name, j, win[0], ev.value(program.nodes[name], (win,)))
             del ev
     results = []
     for o in program.outputs:
@@ -308,8 +316,7 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
                 if seed is None:
                     continue
                 p_lo, g = seed
-                (lo, _), = program.chunk_demand(name, j)
-                val = ev.chunk_value(name).narrow(spec.dim, p_lo - lo, g.shape[spec.dim])
+                val = ev.value(program.nodes[name], ((p_lo, p_lo + g.shape[spec.dim]),))
                 outs.append(val)
                 cots.append(g * f if f != 1.0 else g)
             ev.memo.clear()  # autograd keeps what the backward needs; drop every other intermediate

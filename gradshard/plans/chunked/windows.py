@@ -9,7 +9,8 @@ multiply: on transformers' Mamba-2 (4 layers, width-4 convolutions) the first la
 projections ran 130 times per chunk.
 
 :func:`chunk_windows` takes the chunk's demands from its roots (time outputs, the arguments of
-reductions, cache points) through the slot maps in reverse graph order; the hull of the
+reductions, cache points) through the slot maps (and what rules read themselves,
+``NodeRule.reads``) in reverse graph order; the hull of the
 windows asked of a node is its window. :class:`~gradshard.plans.chunked.evaluate.ChunkEvaluator`
 computes a node on its window once and serves every smaller window as a narrow of it (values
 at a step do not depend on the window they are computed in: the premise of every chunk rule).
@@ -59,12 +60,17 @@ def chunk_windows(program: Any, j: int) -> dict[str, Win]:
     if j == program.num_chunks - 1:
         end = sys.maxsize
     wins: dict[str, Win] = {}
+    apart: dict[str, set[Win]] = {}  # nodes computed per window asked (ExtraReads.hull False)
 
     def ask(name: str, win: Win) -> None:
         # steps past the chunk are not merged in: asked of a node that reads attention or a
         # scan they are an error the evaluator reports where they are asked, with the asker
         win = (win[0], min(win[1], end))
         if win[1] <= win[0] or _time_dims(program, name) is None:
+            return
+        reads = program.rules[name].reads
+        if reads is not None and not reads.hull:
+            apart.setdefault(name, set()).add(win)
             return
         old = wins.get(name)
         wins[name] = win if old is None else (min(old[0], win[0]), max(old[1], win[1]))
@@ -77,8 +83,16 @@ def chunk_windows(program: Any, j: int) -> dict[str, Win]:
             if program.rules[a.name].frame:
                 ask(a.name, program.chunk_demand(a.name, j)[0])
     for name in program.cache_points:
-        ask(name, program.chunk_demand(name, j)[0])
+        ask(name, program.cache_window(name, j))
     for node in reversed(program.gm.graph.nodes):
+        if node.name in apart:  # only what it reads itself, per window (its slots are skipped)
+            cached = node.name in program.cache_points  # its steps before the chunk: from the cache
+            for lo, hi in sorted(apart[node.name]):
+                if cached and hi <= start:
+                    continue
+                for name, w in program.rules[node.name].reads.windows((max(lo, start) if cached else lo, hi), start):
+                    ask(name, w)
+            continue
         win = wins.get(node.name)
         if win is None or node.op in ("placeholder", "get_attr") or node.name in program.hoisted:
             continue
@@ -91,6 +105,9 @@ def chunk_windows(program: Any, j: int) -> dict[str, Win]:
         for arg, smap in program.inputs_of.get(node.name, ()):
             if smap is not SKIP and smap is not None and len(smap) == 1:
                 ask(arg.name, smap[0].apply((win,)))
+        reads = program.rules[node.name].reads
+        for name, w in reads.windows(win, start) if reads is not None else ():
+            ask(name, w)
     return wins
 
 
