@@ -25,9 +25,9 @@ with ``gs.measure`` after a warm-up step that captures and compiles:
 - ``backend_none`` / ``backend_adjoint`` / ``backend_seco``:
   ``torch.compile(model, backend=gs.backend(plan=...))``.
 
-Adjoint rows run on the recurrent models, seco rows on the attention models. Peak memory is the
-allocator's peak during the step above what was live before it (``gs.measure``'s
-``allocator_peak_bytes``: on CPU from ``torch.profiler`` memory events, the same instrument for
+Adjoint rows run on the recurrent models, partial-update rows on the attention ones, seco and
+spaco rows on every model. Peak memory is the allocator's peak during the step above what was
+live before it (``gs.measure``'s ``allocator_peak_bytes``: on CPU from ``torch.profiler`` memory events, the same instrument for
 every row since the process compiles before the first measurement; on CUDA the CUDA caching
 allocator's ``max_memory_allocated``); time is the median of ``--repeat`` plain steps after the
 measured one (synchronized on CUDA). Writes "## Composing with Inductor (issue 19)" (CPU) or
@@ -67,7 +67,7 @@ from results_md import OUTPUT_DIR, RESULTS, write_section  # noqa: E402
 HEADING = "## Composing with Inductor (issue 19)"
 HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
 MODELS = ("ssm", "mingru", "llama", "hf_llama", "hf_mamba2")
-RECURRENT = ("ssm", "mingru", "hf_mamba2")  # adjoint rows; the others get seco rows
+RECURRENT = ("ssm", "mingru", "hf_mamba2")  # adjoint rows (seco and spaco rows on every model)
 METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager",
            "gs_adjoint_recompute", "gs_truncated", "gs_seco", "gs_seco_eager", "gs_spaco", "gs_partial",
            "backend_none", "backend_adjoint", "backend_seco")
@@ -205,11 +205,11 @@ def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, 
 
 
 def applies(method: str, model: str) -> bool:
-    """The adjoint plans run on the recurrent models; seco, spaco and partial updates (which slice MLP
-    and attention projections) on the attention models."""
+    """The adjoint plans run on the recurrent models, partial updates (which slice MLP and attention
+    projections) on the attention models, seco and spaco on every model."""
     if "adjoint" in method or method == "gs_truncated":
         return model in RECURRENT
-    if "seco" in method or method in ("gs_spaco", "gs_partial"):
+    if method == "gs_partial":
         return model not in RECURRENT
     return True
 

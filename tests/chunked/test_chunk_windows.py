@@ -57,3 +57,16 @@ def test_each_node_runs_once_per_chunk_on_its_window() -> None:
     # forward, the recompute and the backward: about 4/3 of eager's FLOPs with the convolutions'
     # halos (1.24x; 1.85x when each window asked of a node computed it again)
     assert seco <= 1.35 * eager, (seco, eager)
+
+
+def test_a_cached_window_does_not_keep_its_chunk_alive() -> None:
+    """The steps a cache point keeps arrive as a view of the node's chunk window; stored as a
+    view they kept the whole window alive for the rest of the step (seco's peak grew with T)."""
+    from gradshard.plans.chunked.cache import CacheSpec, CacheStore
+
+    store = CacheStore({"x": CacheSpec("x", 1, 64, retention=2)}, [(0, 32), (32, 64)])
+    window = torch.randn(2, 35, 3)  # steps [-3, 32) of a node read 3 steps back
+    store.write("x", 0, 30, window.narrow(1, 33, 2))
+    (_, piece), = store.pieces["x"].values()
+    assert piece.untyped_storage().nbytes() == piece.numel() * piece.element_size()
+    assert torch.equal(store.read("x", 30, 32, 32), window[:, 33:])

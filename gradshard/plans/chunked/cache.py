@@ -65,7 +65,9 @@ class CacheStore:
             return
         keep = min(width, spec.retention)
         piece = value.narrow(spec.dim, width - keep, keep)
-        self.pieces[name][j] = (lo + width - keep, piece.clone() if keep < width else piece)
+        # a view of a larger tensor (the chunk's window of the node) would keep all of it alive
+        owns = piece.untyped_storage().nbytes() <= piece.numel() * piece.element_size()
+        self.pieces[name][j] = (lo + width - keep, piece if owns else piece.clone())
 
     def nbytes(self) -> int:
         total = sum(b.numel() * b.element_size() for b in self.buffers.values())
