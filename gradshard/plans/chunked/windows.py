@@ -9,9 +9,8 @@ multiply: on transformers' Mamba-2 (4 layers, width-4 convolutions) the first la
 projections ran 130 times per chunk.
 
 :func:`chunk_windows` takes the chunk's demands from its roots (time outputs, the arguments of
-reductions, cache points) through the slot maps (and what rules read themselves,
-``NodeRule.reads``) in reverse graph order; the hull of the
-windows asked of a node is its window. :class:`~gradshard.plans.chunked.evaluate.ChunkEvaluator`
+reductions, cache points) through the slot maps, and what rules read themselves
+(``NodeRule.reads``), in reverse graph order; the hull of the windows asked of a node is its window. :class:`~gradshard.plans.chunked.evaluate.ChunkEvaluator`
 computes a node on its window once and serves every smaller window as a narrow of it (values
 at a step do not depend on the window they are computed in: the premise of every chunk rule).
 A cache point's own window starts at the chunk (earlier steps come from the cache). Only nodes
@@ -117,4 +116,4 @@ def narrow_window(program: Any, name: str, value: Any, whole: Win, want: Win) ->
     lo, n = want[0] - whole[0], want[1] - want[0]
     if isinstance(value, torch.Tensor):
         return value.narrow(dims[0], lo, n)
-    return type(value)(v.narrow(d, lo, n) for v, d in zip(value, dims))
+    return type(value)([v.narrow(d, lo, n) for v, d in zip(value, dims)])  # tuple, list, return_types
