@@ -34,6 +34,7 @@ import torch.fx as fx
 import gradshard.ops.lightning  # noqa: F401 - registers torch.ops.gradshard.lightning_attention
 from gradshard.analysis.outer_scan import (
     block_length, decays_over_state, log_decay_per_step, log_decay, node_shape, outer_left, state_contraction)
+from gradshard.kernels.backend import accumulation_dtype
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import BuildCtx, ExtraReads, NodeRule, _arg
@@ -121,6 +122,10 @@ def final_state(decay: Optional[Tensor], is_log: bool, left: Tensor, right: Tens
     per-step states: ``prod(a) h + sum_j (prod_{l > j} a_l) left_j right_j^T``, the products as
     suffix sums of ``z`` (or suffix products of ``a``) taken whole, never as differences."""
     b, n, heads = left.shape[:3]
+    out = left.dtype if h is None else torch.promote_types(left.dtype, h.dtype)
+    acc = accumulation_dtype(torch.promote_types(out, right.dtype))  # half inputs: summed in float32
+    left, right = left.to(acc), right.to(acc)
+    decay = None if decay is None else decay.to(acc)
     if decay is None:
         w = left.new_ones(b, n, heads)
         total = left.new_ones(b, heads)
@@ -132,8 +137,8 @@ def final_state(decay: Optional[Tensor], is_log: bool, left: Tensor, right: Tens
         after = torch.cat([decay[:, 1:], decay.new_ones(b, 1, heads)], 1)
         w = after.flip(1).cumprod(1).flip(1)
         total = w[:, 0] * decay[:, 0]
-    added = torch.einsum("bjhp,bjhn->bhpn", left * w[..., None].to(left.dtype), right)
-    return added if h is None else added + total[..., None, None].to(h.dtype) * h
+    added = torch.einsum("bjhp,bjhn->bhpn", left * w[..., None], right)
+    return (added if h is None else added + total[..., None, None] * h.to(acc)).to(out)
 
 
 def _readout(bs: BlockScan, ev: Any, lo: int, hi: int, h: Optional[Tensor], query: Tensor, contracted: int) -> Tensor:
