@@ -31,6 +31,7 @@ def test_block_read_scans_are_exact_without_per_step_states(plan, decay, learn_h
     options = {"chunk_size": 8} if plan == "seco" else {"chunk_size": 8, "budget": 5}  # spaco: every chunk
     cm = assert_same_grads(model, (x,), plan=plan, **options)
     assert len(_block_rules(cm)) == 4  # per layer: the scan and its contraction
+    assert cm.explain().count("block-read scan") == 2
     watch = StateWatch((3, 4, 5) if layout == "pn" else (3, 5, 4))
     with watch:
         cm(x.requires_grad_()).square().sum().backward()

@@ -517,5 +517,8 @@ def plan_chunk_program(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for name in program.attention:
         if "flash" in program.rules[name].note:
             lines.append(f"{name}: flash attention against the KV cache (GQA native)")
+    for name, rule in program.rules.items():
+        if rule.reads is not None and rule.kind == "mixer":
+            lines.append(f"{name}: block-read scan -- {rule.note}")
     lines.append(f"cache at full length: {program.cache_bytes():,} bytes")
     return PassResult(gm, notes=tuple(lines + notes))

@@ -231,5 +231,6 @@ def block_readout_rule(rule: NodeRule, node: fx.Node, bs: BlockScan) -> NodeRule
     slots[h_slot] = SKIP
     rule.slots, rule.run, rule.kind = tuple(slots), _readout_run, "mixer"
     rule.data, rule.reads = (bs, contracted, query_slot), _Reads(bs, False)
-    rule.note = "contraction of a scan's state run in block form (no per-step states)"
+    rule.note = (f"contracts `{bs.scan.name}`'s state in block form from the state before its window "
+                 f"({'SSD block form' if bs.z is not None or bs.a is None else 'lightning op'}; no per-step states)")
     return rule
