@@ -49,7 +49,7 @@ class BlockScan:
     """A forward ``linear_scan`` whose ``u`` is ``left * right`` and whose every use is a contraction."""
 
     scan: fx.Node
-    a: Optional[fx.Node]  # (batch | 1, T | 1, heads | 1, 1, 1), or None (no decay)
+    a: fx.Node  # (batch | 1, T | 1, heads | 1, 1, 1)
     z: Optional[fx.Node]  # a = exp(z), z per (batch, step, head): SSD's block form from z
     left: fx.Node  # (batch, T, heads, d1, 1)
     right: fx.Node  # (batch, T, heads, 1, d2)
@@ -73,20 +73,18 @@ def match_block_scan(scan: Any, bc: BuildCtx) -> Optional[BlockScan]:
         fr = bc.frame(n)
         if len(fr) != 1 or fr[0].dim != 1 or not fr[0].pure(us[1]):
             return None
-    if a is not None:
-        sa = node_shape(a)
-        fr = bc.frame(a)
-        if not isinstance(a, fx.Node) or sa is None or len(sa) != 5 or len(fr) > 1 or (fr and fr[0].dim != 1):
-            return None
-        if not decays_over_state(a, us, 1 if fr else None):
-            return None
+    sa, fr = node_shape(a), bc.frame(a)  # the op's schema makes ``a`` a tensor
+    if not isinstance(a, fx.Node) or sa is None or len(sa) != 5 or len(fr) > 1 or (fr and fr[0].dim != 1):
+        return None
+    if not decays_over_state(a, us, 1 if fr else None):
+        return None
     if isinstance(h0, fx.Node) and (bc.frame(h0) or node_shape(h0) != (us[0],) + us[2:]):
         return None
     for use in scan.users:
         found = state_contraction(use, scan)
         if found is None or len(bc.frame(use.args[1][found[1]])) != 1:
             return None
-    z = log_decay(a) if a is not None and log_decay_per_step(a) and bc.frame(a) else None
+    z = log_decay(a) if log_decay_per_step(a) and fr else None
     return BlockScan(scan, a, z, left, right, h0 if isinstance(h0, fx.Node) else None, _arg(scan, 4, "backend"))
 
 
@@ -100,14 +98,12 @@ def _window(ev: Any, node: Optional[fx.Node], lo: int, hi: int) -> Optional[Tens
     return ev.value(node, ((lo, hi),) if ev.program.rules[node.name].frame else ())
 
 
-def _decays(bs: BlockScan, ev: Any, lo: int, hi: int, like: Tensor) -> tuple[Optional[Tensor], bool]:
+def _decays(bs: BlockScan, ev: Any, lo: int, hi: int, like: Tensor) -> tuple[Tensor, bool]:
     """The decay per (batch, step, head) on ``[lo, hi)`` like ``like``'s leading dims: ``(z, True)``
-    for a log-decay, ``(a, False)`` otherwise, ``(None, False)`` without one."""
+    for a log-decay, else ``(a, False)``."""
     if bs.z is not None:
         z = _window(ev, bs.z, lo, hi)
         return z.reshape((1,) * (3 - z.dim()) + tuple(z.shape)).expand(like.shape[:3]), True
-    if bs.a is None:
-        return None, False
     a = _window(ev, bs.a, lo, hi)
     return a.reshape(a.shape[:3]).expand(like.shape[:3]), False
 
@@ -148,9 +144,9 @@ def _readout(bs: BlockScan, ev: Any, lo: int, hi: int, h: Optional[Tensor], quer
     flip = contracted == -2  # SSD's function and the lightning op keep (values, keys) / (keys, values)
     decay, is_log = _decays(bs, ev, lo, hi, values)
     chunk = block_length(values.shape[-1], keys.shape[-1])
-    if is_log or decay is None:
-        z = decay if decay is not None else values.new_zeros(values.shape[:3])
-        y, _ = ssd_chunk_scan(z, values, keys, query, None if h is None else (h.transpose(-1, -2) if flip else h), chunk)
+    if is_log:
+        y, _ = ssd_chunk_scan(decay, values, keys, query, None if h is None else (h.transpose(-1, -2) if flip else h),
+                              chunk)
         return y
     first = lambda t: t.transpose(1, 2)  # noqa: E731 - (b, n, H, d) -> (b, H, n, d)
     state = None if h is None else (h if flip else h.transpose(-1, -2))
@@ -232,5 +228,5 @@ def block_readout_rule(rule: NodeRule, node: fx.Node, bs: BlockScan) -> NodeRule
     rule.slots, rule.run, rule.kind = tuple(slots), _readout_run, "mixer"
     rule.data, rule.reads = (bs, contracted, query_slot), _Reads(bs, False)
     rule.note = (f"contracts `{bs.scan.name}`'s state in block form from the state before its window "
-                 f"({'SSD block form' if bs.z is not None or bs.a is None else 'lightning op'}; no per-step states)")
+                 f"({'SSD block form' if bs.z is not None else 'lightning op'}; no per-step states)")
     return rule
