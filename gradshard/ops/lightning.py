@@ -30,8 +30,9 @@ from torch.utils.flop_counter import register_flop_formula
 
 from gradshard.analysis import locality
 from gradshard.kernels.lightning import lightning_dtypes, run_lightning_backward, run_lightning_forward
+from gradshard.kernels.ssd_torch import ssd_chunk_scan
 
-__all__ = ["LIGHTNING", "lightning_attention_flops", "lightning_attention_backward_flops"]
+__all__ = ["LIGHTNING", "lightning_attention_flops", "lightning_attention_backward_flops", "block_scan"]
 
 LIGHTNING = "gradshard::lightning_attention"
 
@@ -89,6 +90,29 @@ def _backward(ctx, grad_o: Optional[Tensor], grad_state: Optional[Tensor]):
 _lightning_op.register_autograd(_backward, setup_context=_setup_context)
 
 locality.register_time_op(LIGHTNING, time_dim=2, reach=locality.ALL_PAST)
+
+
+# --------------------------------------------------------------------------- the block form of an outer-product scan
+
+
+def block_scan(decay: Optional[Tensor], log_decay: bool, values: Tensor, keys: Tensor, query: Tensor,
+               state: Optional[Tensor], contracted: int, chunk: int,
+               backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """``(y, h_end)`` of ``h_t = a_t h_{t-1} + outer(v_t, k_t)``, ``y_t = h_t q_t`` in block form.
+
+    ``values`` (b, n, H, dv), ``keys`` and ``query`` (b, n, H, dk); ``decay`` per (b, n, H): the
+    log-decay ``z`` (``log_decay``: SSD's block form, :func:`gradshard.kernels.ssd_torch.ssd_chunk_scan`)
+    or ``a`` itself (this op; None: no decay). ``state`` and ``h_end`` are in the scan's layout:
+    ``(b, H, dv, dk)`` when ``contracted`` is -1 (SSD's ``h (P, N)``), ``(b, H, dk, dv)`` when -2."""
+    flip = lambda h: None if h is None else h.transpose(-1, -2)  # noqa: E731
+    if log_decay:  # SSD's function keeps (values, keys)
+        y, h_end = ssd_chunk_scan(decay, values, keys, query, state if contracted == -1 else flip(state), chunk)
+        return y, h_end if contracted == -1 else flip(h_end)
+    heads_first = lambda t: t.transpose(1, 2)  # noqa: E731 - (b, n, H, d) -> (b, H, n, d); the op keeps (keys, values)
+    y, h_end = _lightning_op(heads_first(query), heads_first(keys), heads_first(values),
+                             None if decay is None else heads_first(decay).contiguous(),
+                             flip(state) if contracted == -1 else state, chunk, backend)
+    return heads_first(y), flip(h_end) if contracted == -1 else h_end
 
 
 # --------------------------------------------------------------------------- FLOPs (FlopCounterMode)

@@ -45,10 +45,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-import gradshard.ops.lightning  # noqa: F401 - registers torch.ops.gradshard.lightning_attention
+from gradshard.ops.lightning import block_scan
 from gradshard.analysis.outer_scan import (
     block_length, decays_over_state, log_decay, log_decay_per_step, node_shape, outer_left, state_contraction)
-from gradshard.kernels.ssd_torch import ssd_chunk_scan
 from gradshard.plans.adjoint.layout import RegionIO, ScanSpec, trim
 
 __all__ = ["ChunkedForm", "match_chunked_form", "chunked_shard_graph", "block_form_flops"]
@@ -135,14 +134,10 @@ def block_form_flops(form: ChunkedForm, batch: int, steps: int, heads: int, deca
         return torch.zeros(shape, device="meta", requires_grad=True)
 
     x, k, q = t(batch, steps, heads, form.values), t(batch, steps, heads, form.keys), t(batch, steps, heads, form.keys)
+    state = t(batch, heads, form.values, form.keys) if form.contracted == -1 else t(batch, heads, form.keys, form.values)
     with FlopCounterMode(display=False) as counter:
-        if form.log_decay:
-            y, h = ssd_chunk_scan(t(batch, steps, heads), x, k, q, t(batch, heads, form.values, form.keys), form.chunk)
-        else:
-            first = lambda z: z.transpose(1, 2)  # noqa: E731
-            y, h = torch.ops.gradshard.lightning_attention(
-                first(q), first(k), first(x), t(batch, heads, steps) if decay else None,
-                t(batch, heads, form.keys, form.values), form.chunk, None)
+        y, h = block_scan(t(batch, steps, heads) if decay or form.log_decay else None, form.log_decay, x, k, q, state,
+                          form.contracted, form.chunk)
         forward = counter.get_total_flops()
         torch.autograd.backward((y, h), (torch.ones_like(y), torch.ones_like(h)))
     return forward, counter.get_total_flops() - forward
@@ -154,10 +149,6 @@ def _per_step(t: torch.Tensor, like: torch.Tensor, state_dims: int) -> torch.Ten
     if state_dims:
         t = t.reshape(t.shape[:-state_dims])
     return t.expand(like.shape[:3])
-
-
-def _transposed(h: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if h is None else h.transpose(-1, -2)
 
 
 def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form: ChunkedForm, io: RegionIO,
@@ -211,25 +202,17 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
     right = call(aten.squeeze.dim, trimmed(vals[1].args[1 - form.left_arg], 1), -2)  # (b, steps, H, d2)
     values, keys = (left, right) if form.contracted == -1 else (right, left)
     state = h_start if h_start is not None else penv[vals[2]] if has_h0 else None  # (b, H, d1, d2) or zero
-    # SSD's function keeps the state as (values, keys), the lightning op as (keys, values)
-    flip_ssd, flip_op = form.contracted == -2, form.contracted == -1
 
     def emit(query: fx.Node) -> tuple[fx.Node, fx.Node]:
         """``(y, h_end)`` of the shard's steps: ``y`` (b, steps, H, values) as the contraction's."""
-        if form.log_decay:
-            z = call(_per_step, trimmed(log_decay(vals[0]), a_dim), values, 0)
-            res = call(ssd_chunk_scan, z, values, keys, query, call(_transposed, state) if flip_ssd else state,
-                       form.chunk)
-            y, h_end = call(operator.getitem, res, 0), call(operator.getitem, res, 1)
-            return y, call(_transposed, h_end) if flip_ssd else h_end
-        heads_first = lambda t: call(aten.permute.default, t, [0, 2, 1, 3])  # noqa: E731
         decay = None
-        if vals[0] is not None:  # (b, H, steps)
-            decay = call(aten.permute.default, call(_per_step, trimmed(vals[0], a_dim), values, 2), [0, 2, 1])
-        res = call(torch.ops.gradshard.lightning_attention.default, heads_first(query), heads_first(keys),
-                   heads_first(values), decay, call(_transposed, state) if flip_op else state, form.chunk, backend)
-        y, h_end = heads_first(call(operator.getitem, res, 0)), call(operator.getitem, res, 1)
-        return y, call(_transposed, h_end) if flip_op else h_end
+        if form.log_decay:
+            decay = call(_per_step, trimmed(log_decay(vals[0]), a_dim), values, 0)
+        elif vals[0] is not None:
+            decay = call(_per_step, trimmed(vals[0], a_dim), values, 2)
+        res = g.call_function(block_scan, (decay, form.log_decay, values, keys, query, state, form.contracted,
+                                           form.chunk, backend))
+        return call(operator.getitem, res, 0), call(operator.getitem, res, 1)
 
     placeholders = [n for n in readout.graph.nodes if n.op == "placeholder"]
     renv: dict[fx.Node, Any] = dict(zip(placeholders[1:], rs))

@@ -31,11 +31,10 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-import gradshard.ops.lightning  # noqa: F401 - registers torch.ops.gradshard.lightning_attention
 from gradshard.analysis.outer_scan import (
     block_length, decays_over_state, log_decay_per_step, log_decay, node_shape, outer_left, state_contraction)
 from gradshard.kernels.backend import accumulation_dtype
-from gradshard.kernels.ssd_torch import ssd_chunk_scan
+from gradshard.ops.lightning import block_scan
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import BuildCtx, ExtraReads, NodeRule, _arg
 
@@ -141,18 +140,10 @@ def _readout(bs: BlockScan, ev: Any, lo: int, hi: int, h: Optional[Tensor], quer
     """``y`` (b, n, H, values) on ``[lo, hi)`` from the state ``h`` before it, in block form."""
     left, right = _factors(bs, ev, lo, hi)
     values, keys = (left, right) if contracted == -1 else (right, left)
-    flip = contracted == -2  # SSD's function and the lightning op keep (values, keys) / (keys, values)
     decay, is_log = _decays(bs, ev, lo, hi, values)
-    chunk = block_length(values.shape[-1], keys.shape[-1])
-    if is_log:
-        y, _ = ssd_chunk_scan(decay, values, keys, query, None if h is None else (h.transpose(-1, -2) if flip else h),
-                              chunk)
-        return y
-    first = lambda t: t.transpose(1, 2)  # noqa: E731 - (b, n, H, d) -> (b, H, n, d)
-    state = None if h is None else (h if flip else h.transpose(-1, -2))
-    y, _ = torch.ops.gradshard.lightning_attention(first(query), first(keys), first(values), first(decay).contiguous(),
-                                                   state, chunk, bs.backend)
-    return first(y)
+    y, _ = block_scan(decay, is_log, values, keys, query, h, contracted, block_length(values.shape[-1], keys.shape[-1]),
+                      bs.backend)
+    return y
 
 
 def _state_before(bs: BlockScan, ev: Any, lo: int) -> Optional[Tensor]:
@@ -171,7 +162,7 @@ class _Reads(ExtraReads):
     def __init__(self, bs: BlockScan, from_chunk_start: bool) -> None:
         self.bs, self.from_start = bs, from_chunk_start
         self.hull = not from_chunk_start  # the scan: a carry at the chunk's start, cached steps at its end
-        self.factors = tuple(n.name for n in (bs.left, bs.right, bs.z if bs.z is not None else bs.a) if n is not None)
+        self.factors = tuple(n.name for n in (bs.left, bs.right, bs.z if bs.z is not None else bs.a))
         self.nodes = (*self.factors, bs.scan.name)
 
     def windows(self, win: tuple[int, int], start: int) -> list[tuple[str, tuple[int, int]]]:
