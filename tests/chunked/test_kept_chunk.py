@@ -80,3 +80,19 @@ def test_kept_chunk_gradient_is_exact_and_the_backward_runs_once() -> None:
         out = cm(ids, labels)
         out.backward(retain_graph=True)
         out.backward()
+
+
+def test_a_call_under_no_grad_keeps_no_graph() -> None:
+    """``needs_input_grad`` is true under ``torch.no_grad()`` too: the caller's grad mode decides."""
+    model, (ids,) = llama(seq_len=48, batch=1)
+    labels = torch.roll(ids, -1, 1)
+    model = WithLoss(model)
+    seco = gs.compile(model, plan="seco", chunk_size=16)
+    seco(ids, labels).backward()
+    with torch.no_grad():
+        m = gs.measure(lambda: seco(ids, labels))
+    assert m.saved_bytes == 0
+    held: list[torch.Tensor] = []
+    m = gs.measure(lambda: held.append(seco(ids, labels)))  # with grad: the last chunk's graph is kept
+    assert m.saved_bytes > 0
+    held.pop().backward()

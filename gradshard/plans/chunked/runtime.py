@@ -233,7 +233,7 @@ class KeptChunk:
     from the end of the forward costs what the backward's first recompute would hold anyway."""
 
     index: int
-    evaluator: ChunkEvaluator
+    evaluator: ChunkEvaluator | None  # None once the backward took it
     values: dict[str, torch.Tensor]  # output name -> the chunk's value / reduction numerator, with grad
     cache_leaves: list[tuple[Any, torch.Tensor]]
 
@@ -339,7 +339,8 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
         values: dict[str, torch.Tensor] = {}
         if last is not None and last.index == j:
             ev, values, cache_leaves = last.evaluator, last.values, last.cache_leaves
-            last.values, last.cache_leaves = {}, []  # the caller's reference must not keep the graph
+            # the caller's reference to ``kept`` must not keep the graph (or its leaves' gradients)
+            last.evaluator, last.values, last.cache_leaves = None, {}, []
             last = None
         else:
             cache.begin_chunk(j)
@@ -406,11 +407,14 @@ def _flat_name(program: ChunkProgram, i: int) -> str:
 
 class _ChunkedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, region, *flat):  # type: ignore[override]
+    def forward(ctx, region, grad_enabled, *flat):  # type: ignore[override]
         program = region.program
-        needs = ctx.needs_input_grad[1:]
-        stash = AttentionStash() if region.stash_attention and any(needs) else None
-        leaves = grad_leaves(program, flat, needs) if region.keeps_last_chunk and any(needs) else None
+        needs = ctx.needs_input_grad[2:]
+        # ``needs_input_grad`` says what requires grad even under torch.no_grad(): ``grad_enabled``
+        # (the caller's mode) keeps an inference call from stashing or keeping for no backward
+        training = grad_enabled and any(needs)
+        stash = AttentionStash() if region.stash_attention and training else None
+        leaves = grad_leaves(program, flat, needs) if region.keeps_last_chunk and training else None
         results, cache, dens, kept = run_forward(program, list(flat), stash, region.group_runners(), leaves, needs)
         region.stats["forward_calls"] += 1
         ctx.region = region
@@ -433,12 +437,13 @@ class _ChunkedFunction(torch.autograd.Function):
             raise RuntimeError(f"{region.plan}: the chunked backward runs once per forward (it consumes the "
                                "KV/state cache); retain_graph=True is not supported, call the module again")
         flat = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:]
+        needs = ctx.needs_input_grad[2:]
         selection = region.select()
         region.last_selection = selection
-        out = run_backward(region, flat, needs, ctx.cache, ctx.dens, grads, selection, ctx.stash, ctx.kept)
-        ctx.cache = ctx.stash = ctx.kept = None
-        return (None, *out)
+        kept, ctx.kept = ctx.kept, None
+        out = run_backward(region, flat, needs, ctx.cache, ctx.dens, grads, selection, ctx.stash, kept)
+        ctx.cache = ctx.stash = None
+        return (None, None, *out)
 
 
 # --------------------------------------------------------------------------- the region module
@@ -490,7 +495,7 @@ class ChunkedRegion(nn.Module):
 
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _ChunkedFunction.apply(self, *flat)
+        return _ChunkedFunction.apply(self, torch.is_grad_enabled(), *flat)
 
     @property
     def keeps_last_chunk(self) -> bool:
