@@ -3,20 +3,17 @@ runs each adjoint shard in block form, exact, without forming per-step states.""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import gradshard as gs
 from gradshard.kernels import linear_scan
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 
 from .helpers import assert_same_grads, rel_err
-from .models import SsdLayer, SsdNet, truncated_scan_reference
+from .models import SsdLayer, SsdNet
 
 F64 = torch.float64
 
@@ -98,48 +95,13 @@ def test_per_step_form_on_request_forms_states_and_agrees():
     assert watch.most_steps >= 8  # a shard's per-step states
 
 
-class _TruncatedSsdNet(SsdNet):
-    """An SsdNet whose scans recompute every ``h_t`` from a detached ``h_{t-W}`` (the windowed
-    gradient's reference semantics); same parameters and names."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        original = gs.kernels.linear_scan
-        gs.kernels.linear_scan = lambda a, u, h0=None, **_: self.window_scan(a, u, h0)
-        try:
-            return super().forward(x)
-        finally:
-            gs.kernels.linear_scan = original
-
-
-def _truncated_reference(model: SsdNet, window: int) -> SsdNet:
-    ref = copy.deepcopy(model)
-    ref.__class__ = _TruncatedSsdNet
-    ref.window_scan = truncated_scan_reference(window)
-    return ref
-
-
-def test_truncated_adjoint_runs_chunked_where_its_window_covers_the_call():
-    """window >= T is the exact adjoint: chunked shards, no per-step states; a shorter window
-    truncates the per-step lam: that call runs per-step shards, equal to the windowed reference."""
+def test_truncated_adjoint_keeps_the_per_step_form():
+    """The windowed adjoint needs per-step lam; its regions are never chunked."""
     torch.manual_seed(2)
     model = SsdNet().double()
     x = torch.randn(1, 21, 6, dtype=F64)
     cm = assert_same_grads(model, (x,), plan="truncated_adjoint", shard_size=8, window=64)
-    regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
-    assert regions and all(r.chunked is not None and r.chunked_at(21) and not r.chunked_at(65) for r in regions)
-    assert "on calls with T <= window (64)" in cm.explain()
-    watch = StateWatch((3, 4, 5))
-    with watch:
-        cm(x.requires_grad_()).square().sum().backward()
-    assert 0 < watch.most_steps <= 2
-    torch.manual_seed(5)
-    model = SsdNet().double()
-    ref = _truncated_reference(model, 6)
-    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=ref, shard_size=8, window=6)
-    watch = StateWatch((3, 4, 5))
-    with watch:
-        cm(x.requires_grad_()).square().sum().backward()
-    assert watch.most_steps >= 8  # a shard's per-step states
+    assert all(m.chunked is None for m in cm.graph.modules() if hasattr(m, "chunked"))
 
 
 def test_chunked_regions_recompute_layer_inputs_from_the_region_before():
