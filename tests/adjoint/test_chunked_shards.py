@@ -3,17 +3,20 @@ runs each adjoint shard in block form, exact, without forming per-step states.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gradshard as gs
 from gradshard.kernels import linear_scan
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 
 from .helpers import assert_same_grads, rel_err
-from .models import SsdLayer, SsdNet
+from .models import SsdLayer, SsdNet, truncated_scan_reference
 
 F64 = torch.float64
 
@@ -95,12 +98,35 @@ def test_per_step_form_on_request_forms_states_and_agrees():
     assert watch.most_steps >= 8  # a shard's per-step states
 
 
-def test_truncated_adjoint_keeps_the_per_step_form():
-    """The windowed adjoint needs per-step lam; its regions are never chunked."""
+class _TruncatedSsdNet(SsdNet):
+    """An SsdNet whose scans recompute every ``h_t`` from a detached ``h_{t-W}`` (the windowed
+    gradient's reference semantics); same parameters and names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        original = gs.kernels.linear_scan
+        gs.kernels.linear_scan = lambda a, u, h0=None, **_: self.window_scan(a, u, h0)
+        try:
+            return super().forward(x)
+        finally:
+            gs.kernels.linear_scan = original
+
+
+def _truncated_reference(model: SsdNet, window: int) -> SsdNet:
+    ref = copy.deepcopy(model)
+    ref.__class__ = _TruncatedSsdNet
+    ref.window_scan = truncated_scan_reference(window)
+    return ref
+
+
+@pytest.mark.parametrize("window", [6, 64])
+def test_truncated_adjoint_keeps_the_per_step_form(window):
+    """The windowed adjoint needs per-step lam; its regions are never chunked. A window shorter
+    than the call equals the windowed reference, a longer one the exact gradient."""
     torch.manual_seed(2)
     model = SsdNet().double()
     x = torch.randn(1, 21, 6, dtype=F64)
-    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", shard_size=8, window=64)
+    ref = _truncated_reference(model, window) if window < 21 else None
+    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=ref, shard_size=8, window=window)
     assert all(m.chunked is None for m in cm.graph.modules() if hasattr(m, "chunked"))
 
 
