@@ -12,8 +12,8 @@ grad from parameter leaves and cache leaves for the steps before it, then one
 time outputs, ``dL/dR`` over the loss denominator) and of its own cache values (what later
 chunks sent back); the gradient reaching earlier cache leaves is accumulated for their
 chunks. Only one chunk's graph is alive at a time. SeCO is exact. When the region returns only
-reductions (the loss inside the module), SeCO's forward runs the last chunk with grad already
-(:class:`KeptChunk`): the backward starts from its graph instead of recomputing it, which the
+reductions (the loss inside the module), SeCO's forward (SpaCO's at a budget of every chunk) runs
+the last chunk with grad already (:class:`KeptChunk`): the backward starts from its graph instead of recomputing it, which the
 backward's first step would hold anyway (one chunk's forward fewer per step: a tenth of a
 2-chunk step's FLOPs).
 
@@ -500,10 +500,12 @@ class ChunkedRegion(nn.Module):
     @property
     def keeps_last_chunk(self) -> bool:
         """Whether the forward runs the last chunk with grad and keeps its graph (:class:`KeptChunk`):
-        under seco (spaco may skip the chunk) when every output is a reduction (a loss), so that
-        nothing the caller computes from a time output (a loss over logits outside the module)
-        is allocated while the graph is held."""
-        return self.plan == "seco" and all(o.kind != "time" for o in self.program.outputs)
+        when the backward is sure to run it (seco; spaco with a budget of every chunk) and every
+        output is a reduction (a loss), so that nothing the caller computes from a time output (a
+        loss over logits outside the module) is allocated while the graph is held. (A selection
+        forced to skip it, :func:`force_selection`, leaves the kept graph unused: still exact.)"""
+        every_chunk = self.plan == "seco" or (self.plan == "spaco" and self.options.budget >= self.program.num_chunks)
+        return every_chunk and all(o.kind != "time" for o in self.program.outputs)
 
     def select(self) -> Selection:
         k = self.program.num_chunks
