@@ -12,17 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import importlib
-
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradshard.plans.adjoint import truncated as truncated_module
 from gradshard.plans.adjoint.truncated import TruncatedSweep, truncated_lambda
 
 from .helpers import assert_same_grads
-
-truncated_module = importlib.import_module("gradshard.plans.adjoint.truncated")
 from .models import (DenseLoopSSM, DiagonalSSM, init_like_training, truncated_dense_reference,
                      truncated_scan_reference)
 

@@ -195,7 +195,7 @@ class TruncatedSweep:
         S = linear_scan(coef, g, self._carry_S, reverse=True)
         self._carry_S = S[:, 0].clone()  # S becomes lam in place below
         sums = self._block_sums(s, a, g)
-        terms = self._next_block_terms(s, L, sums + self._cache, g) if (s // W + 1) * W < T else None
+        terms = self._next_block_terms(s, L, sums + self._cache, g)
         if terms is None:  # no step of the shard reaches a next block (nor any left of it in its block)
             self._carry_R = None
         else:
@@ -305,8 +305,7 @@ class TruncatedSweep:
                 F_all, F_start = F, first
                 new_cache = (first, F[:, : min(W, T - first)])
         # R_i is a matrix: lam_i = S_i + R_i @ F
-        terms = (self._next_block_terms(s, L, ([] if F_all is None else [(F_start, F_all)]) + self._cache, g)
-                 if (s // W + 1) * W < T else None)
+        terms = self._next_block_terms(s, L, ([] if F_all is None else [(F_start, F_all)]) + self._cache, g)
         lam = S if terms is None else S + R @ (terms[0] if terms[1] is None else terms[0] * terms[1])
         if new_cache is not None:
             self._cache = [new_cache]
