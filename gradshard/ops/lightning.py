@@ -32,7 +32,8 @@ from gradshard.analysis import locality
 from gradshard.kernels.lightning import lightning_dtypes, run_lightning_backward, run_lightning_forward
 from gradshard.kernels.ssd_torch import ssd_chunk_scan
 
-__all__ = ["LIGHTNING", "lightning_attention_flops", "lightning_attention_backward_flops", "block_scan"]
+__all__ = ["LIGHTNING", "lightning_attention_flops", "lightning_attention_backward_flops", "block_scan",
+           "decay_per_head"]
 
 LIGHTNING = "gradshard::lightning_attention"
 
@@ -93,6 +94,15 @@ locality.register_time_op(LIGHTNING, time_dim=2, reach=locality.ALL_PAST)
 
 
 # --------------------------------------------------------------------------- the block form of an outer-product scan
+
+
+def decay_per_head(t: Tensor, like: Tensor, state_dims: int = 0) -> Tensor:
+    """A decay ``t`` (or log-decay) as :func:`block_scan` takes it, ``(batch, steps, heads)`` like
+    ``like``'s leading dims: its last ``state_dims`` dims (size 1: constant over the state) dropped,
+    missing leading dims (a decay without batch or time axis) broadcast."""
+    if state_dims:
+        t = t.reshape(t.shape[:-state_dims])
+    return t.reshape((1,) * (3 - t.dim()) + tuple(t.shape)).expand(like.shape[:3])
 
 
 def block_scan(decay: Optional[Tensor], log_decay: bool, values: Tensor, keys: Tensor, query: Tensor,

@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from gradshard.ops.lightning import block_scan
+from gradshard.ops.lightning import block_scan, decay_per_head
 from gradshard.analysis.outer_scan import (
     block_length, decays_over_state, log_decay, log_decay_per_step, node_shape, outer_left, state_contraction)
 from gradshard.plans.adjoint.layout import RegionIO, ScanSpec, trim
@@ -143,14 +143,6 @@ def block_form_flops(form: ChunkedForm, batch: int, steps: int, heads: int, deca
     return forward, counter.get_total_flops() - forward
 
 
-def _per_step(t: torch.Tensor, like: torch.Tensor, state_dims: int) -> torch.Tensor:
-    """A decay ``t`` (right-aligned to ``like``'s rank + ``state_dims``, constant over the last
-    ``state_dims`` dims) as ``(batch, steps, heads)`` like ``like``'s leading dims."""
-    if state_dims:
-        t = t.reshape(t.shape[:-state_dims])
-    return t.expand(like.shape[:3])
-
-
 def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form: ChunkedForm, io: RegionIO,
                         start: int, steps: int, *, state_in: bool, has_h0: bool,
                         backend: Optional[str]) -> fx.GraphModule:
@@ -207,9 +199,9 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
         """``(y, h_end)`` of the shard's steps: ``y`` (b, steps, H, values) as the contraction's."""
         decay = None
         if form.log_decay:
-            decay = call(_per_step, trimmed(log_decay(vals[0]), a_dim), values, 0)
+            decay = call(decay_per_head, trimmed(log_decay(vals[0]), a_dim), values, 0)
         elif vals[0] is not None:
-            decay = call(_per_step, trimmed(vals[0], a_dim), values, 2)
+            decay = call(decay_per_head, trimmed(vals[0], a_dim), values, 2)
         res = g.call_function(block_scan, (decay, form.log_decay, values, keys, query, state, form.contracted,
                                            form.chunk, backend))
         return call(operator.getitem, res, 0), call(operator.getitem, res, 1)

@@ -34,7 +34,7 @@ import torch.fx as fx
 from gradshard.analysis.outer_scan import (
     block_length, decays_over_state, log_decay_per_step, log_decay, node_shape, outer_left, state_contraction)
 from gradshard.kernels.backend import accumulation_dtype
-from gradshard.ops.lightning import block_scan
+from gradshard.ops.lightning import block_scan, decay_per_head
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import BuildCtx, ExtraReads, NodeRule, _arg
 
@@ -101,10 +101,8 @@ def _decays(bs: BlockScan, ev: Any, lo: int, hi: int, like: Tensor) -> tuple[Ten
     """The decay per (batch, step, head) on ``[lo, hi)`` like ``like``'s leading dims: ``(z, True)``
     for a log-decay, else ``(a, False)``."""
     if bs.z is not None:
-        z = _window(ev, bs.z, lo, hi)
-        return z.reshape((1,) * (3 - z.dim()) + tuple(z.shape)).expand(like.shape[:3]), True
-    a = _window(ev, bs.a, lo, hi)
-    return a.reshape(a.shape[:3]).expand(like.shape[:3]), False
+        return decay_per_head(_window(ev, bs.z, lo, hi), like), True
+    return decay_per_head(_window(ev, bs.a, lo, hi), like, state_dims=2), False
 
 
 def _factors(bs: BlockScan, ev: Any, lo: int, hi: int) -> tuple[Tensor, Tensor]:
