@@ -13,21 +13,25 @@ recurrence ``S_{c+1} = Pe_c S_c + U_c``, is itself a diagonal linear scan and ru
   ``O_c = ((Q K^T) * M) V + (P Q_c) S_c`` (grid: chunks x heads x dv blocks).
 * backward: the same two steps rebuild the states entering each chunk; ``_chunk_outer_kernel``
   with ``P`` weights gives ``W_c = (P Q_c)^T dO_c`` and a reverse scan seeded with ``dS_final``
-  gives the gradient ``Gx_c`` reaching each chunk's end (and ``dS_0``); ``_chunk_grad_kernel``
-  writes dQ, dK, dV and the per-step decay gradient of every chunk (grid: chunks x heads).
+  gives the gradient ``Gx_c`` reaching each chunk's end (and ``dS_0``); ``_chunk_grad_qk_kernel``
+  writes dQ and dK of every chunk (grid: chunks x heads), ``_chunk_grad_v_kernel`` dV and
+  ``_chunk_grad_decay_kernel`` the per-step decay gradient (grid: chunks x heads x dv blocks;
+  a dv block's share of the decay gradient goes to its own buffer row, summed afterwards).
 
 So the GPU sees ``T / C * B * H`` programs instead of ``B * H`` walking ``T`` sequentially
 (the previous design: 16 programs on a 132-SM H100 at B=2, H=8). The price is the per-chunk
 states in global memory, ``T / C * dk * dv`` float32 values per head, freed when the call
 returns: the chunk scan runs in place over the increments, so the forward holds one such buffer
-and the backward two. That is ``dk * dv * 4 / C`` bytes per token and head: 256 B at d = 64
-(C = 64), 2 KiB at d = 128 (C = 32, the chunk the backward's shared memory allows).
+and the backward two. That is ``dk * dv * 4 / C`` bytes per token and head: with the chunks
+the register budget allows (C = 32 in the backward, 32-64 in the forward; see
+:class:`BackwardTiles`), 512 B at d = 64 and 2 KiB at d = 128.
 flash-linear-attention's chunk kernels hold the same states, by default in the inputs' dtype;
 gradshard keeps float32 (exact accumulation) and says so here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -149,19 +153,21 @@ def _chunk_output_kernel(
 
 
 @triton.jit
-def _chunk_grad_kernel(
-    Q, K, V, D, DO, SA, S0, RA, DS, DQ, DK_, DV_, DD,
+def _chunk_grad_qk_kernel(
+    Q, K, V, D, DO, SA, S0, RA, DS, DQ, DK_,
     T, H, DK, DV, NC,
     sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
     HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr, HAS_DS: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dQ, dK, dV and the per-step decay gradient of one chunk, from the state entering it
-    (``SA``, edge ``S0``) and the gradient reaching its end (``RA``, edge ``DS``).
+    """dQ and dK of one chunk, from the state entering it (``SA``, edge ``S0``) and the
+    gradient reaching its end (``RA``, edge ``DS``).
 
     The value dimension is walked in ``BV`` blocks (so a 128 x 128 state never sits in one
-    tile): each block adds its share of ``dO V^T``, of the state terms of dQ and dK and of the
-    decay-gradient sums, and writes its slice of dV.
+    tile): each block adds its share of ``dO V^T`` and of the state terms of dQ and dK. dV and
+    the decay gradient are other kernels' (:func:`_chunk_grad_v_kernel`,
+    :func:`_chunk_grad_decay_kernel`): one kernel computing all of them held every tile at once
+    and spilled registers at every tile size (sm_90, heads of 64 and 128).
     """
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -169,18 +175,10 @@ def _chunk_grad_kernel(
     qk_mask = tmask[:, None] & kmask[None, :]
     q_base = b * sq_b + h * sq_h
     v_base = b * sv_b + h * sv_h
-    d_off = b * sd_b + h * sd_h
-    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-    m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-    qkm_t = tl.trans(qk * m)
+    m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
     dov = tl.zeros([BC, BC], dtype=ACC)      # dO V^T
     dq_s = tl.zeros([BC, BK], dtype=ACC)     # (P dO) S_c^T
     dk_g = tl.zeros([BC, BK], dtype=ACC)     # V Gx^T
-    w = tl.zeros([BC], dtype=ACC)            # w_s = q_s S_c do_s^T
-    z = tl.zeros([BC], dtype=ACC)            # z_j = k_j Gx v_j^T
-    sg = tl.zeros([BK], dtype=ACC)           # <Gx, S_c>, by rows of the state
     for v0 in tl.range(0, DV, BV, num_stages=1):  # no software pipelining: it would multiply the shared memory
         offs_v = v0 + tl.arange(0, BV)
         vmask = offs_v < DV
@@ -193,44 +191,138 @@ def _chunk_grad_kernel(
         dov += tl.dot(do, tl.trans(v), input_precision=PREC)
         dq_s += tl.dot(do * p[:, None], tl.trans(s), input_precision=PREC)
         dk_g += tl.dot(v, tl.trans(gx), input_precision=PREC)
-        k_gx = tl.dot(k, gx, input_precision=PREC)
-        dv = tl.dot(qkm_t, do, input_precision=PREC) + gam[:, None] * k_gx
-        tl.store(DV_ + v_base + t[:, None] * sv_t + offs_v[None, :], dv, mask=v_mask)
-        if HAS_DECAY:
-            w += tl.sum(tl.dot(q, s, input_precision=PREC) * do, axis=1)
-            z += tl.sum(k_gx * v, axis=1)
-            sg += tl.sum(gx * s, axis=1)
     dovm = dov * m
+    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
     dq = tl.dot(dovm, k, input_precision=PREC) + dq_s
-    dk = tl.dot(tl.trans(dovm), q, input_precision=PREC) + gam[:, None] * dk_g
     tl.store(DQ + q_base + t[:, None] * sq_t + offs_k[None, :], dq, mask=qk_mask)
+    dk = tl.dot(tl.trans(dovm), q, input_precision=PREC) + gam[:, None] * dk_g
     tl.store(DK_ + q_base + t[:, None] * sq_t + offs_k[None, :], dk, mask=qk_mask)
-    if HAS_DECAY:
-        ms, pp = _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC, ACC)
-        t1 = pp * tl.sum(m * w[:, None], axis=0)
-        t2 = pp * gam * tl.sum(sg, axis=0)
-        t3 = gam * tl.sum(ms * z[None, :], axis=1)
-        t4 = tl.sum(m * tl.dot(qk * dov, tl.trans(ms), input_precision=PREC), axis=0)
-        tl.store(DD + pid_bh.to(tl.int64) * T + t, t1 + t2 + t3 + t4, mask=tmask)
 
 
-def _block_c(chunk_size: int, dk: int, acc: torch.dtype) -> int:
-    """Kernel chunk: the requested chunk rounded to a power of two in [16, 128]; at most 32 for
-    heads wider than 64 or float64, which keeps the backward within an A100's 163 KiB of shared
-    memory (bench/bench_kernel_compile.py). Results do not depend on it."""
+@triton.jit
+def _chunk_grad_decay_kernel(
+    Q, K, V, D, DO, SA, S0, RA, DS, DD,
+    T, H, DK, DV, NC, BH,
+    sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
+    HAS_S0: tl.constexpr, HAS_DS: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Value block ``pid_v``'s share of one chunk's per-step decay gradient, written to
+    ``DD[pid_v]`` (a (dv blocks, B*H, T) buffer the launcher sums): every term is linear in
+    the value dimension, ``w_s = q_s S_c do_s^T``, ``z_j = k_j Gx v_j^T``, ``<Gx, S_c>`` and
+    ``(Q K^T) * dO V^T``. The key dimension is walked in ``BK``-wide blocks (``BK`` here is
+    the block, not the whole head): what a program holds does not grow with the head."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b, h, offs_c, _, offs_v, _, vmask, t, tmask = _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC, BK, BV)
+    v_mask = tmask[:, None] & vmask[None, :]
+    q_base = b * sq_b + h * sq_h
+    v_base = b * sv_b + h * sv_h
+    d_off = b * sd_b + h * sd_h
+    v = tl.load(V + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    qk = tl.zeros([BC, BC], dtype=ACC)
+    w = tl.zeros([BC], dtype=ACC)
+    z = tl.zeros([BC], dtype=ACC)
+    sg = tl.zeros([BK], dtype=ACC)
+    for k0 in tl.range(0, DK, BK, num_stages=1):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < DK
+        qk_mask = tmask[:, None] & kmask[None, :]
+        smask = kmask[:, None] & vmask[None, :]
+        s = _neighbour_state(SA, S0, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, -1, HAS_S0, ACC)
+        gx = _neighbour_state(RA, DS, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, 1, HAS_DS, ACC)
+        sg += tl.sum(gx * s, axis=1)
+        q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+        w += tl.sum(q * tl.dot(do, tl.trans(s), input_precision=PREC), axis=1)
+        k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+        z += tl.sum(k * tl.dot(v, tl.trans(gx), input_precision=PREC), axis=1)
+        qk += tl.dot(q, tl.trans(k), input_precision=PREC)
+    m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, True, BC, ACC)
+    ms, pp = _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC, ACC)
+    qkdov = qk * tl.dot(do, tl.trans(v), input_precision=PREC)
+    dd = pp * tl.sum(m * w[:, None], axis=0) + pp * gam * tl.sum(sg, axis=0) + gam * tl.sum(ms * z[None, :], axis=1)
+    dd += tl.sum(m * tl.dot(qkdov, tl.trans(ms), input_precision=PREC), axis=0)
+    tl.store(DD + (pid_v * BH + pid_bh).to(tl.int64) * T + t, dd, mask=tmask)
+
+
+@triton.jit
+def _chunk_grad_v_kernel(
+    Q, K, D, DO, RA, DS, DV_,
+    T, H, DK, DV, NC,
+    sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t,
+    HAS_DECAY: tl.constexpr, HAS_DS: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """``dV_c = ((Q K^T) * M)^T dO_c + Gam (K Gx_c)`` for value block ``pid_v`` of one chunk,
+    ``Gx_c`` the gradient reaching the chunk's end (``RA``, edge ``DS``)."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b, h, offs_c, offs_k, offs_v, kmask, vmask, t, tmask = _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC, BK, BV)
+    qk_mask = tmask[:, None] & kmask[None, :]
+    v_mask = tmask[:, None] & vmask[None, :]
+    q_base = b * sq_b + h * sq_h
+    v_base = b * sv_b + h * sv_h
+    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
+    kqm = tl.dot(k, tl.trans(q), input_precision=PREC) * tl.trans(m)  # ((Q K^T) * M)^T
+    do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    gx = _neighbour_state(RA, DS, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, kmask[:, None] & vmask[None, :],
+                          1, HAS_DS, ACC)
+    dv = tl.dot(kqm, do, input_precision=PREC) + gam[:, None] * tl.dot(k, gx, input_precision=PREC)
+    tl.store(DV_ + v_base + t[:, None] * sv_t + offs_v[None, :], dv, mask=v_mask)
+
+
+def _block_c(chunk_size: int, dk: int, dtype: torch.dtype) -> int:
+    """Forward kernel chunk: the requested chunk rounded to a power of two in [16, 64]; at most
+    32 for heads wider than 64 and for float32/float64 inputs (their dots run on FMA units: at
+    chunk 64 the output kernel spilled 128-168 B per thread on sm_90 at d = 64, at 32 none).
+    Results do not depend on it."""
     if INTERPRETED:
         return min(32, pow2(chunk_size))
-    return min(128 if pow2(dk) <= 64 and acc != torch.float64 else 32, pow2(chunk_size))
+    wide = pow2(dk) > 64 or dtype in (torch.float32, torch.float64)
+    return min(32 if wide else 64, pow2(chunk_size))
 
 
 def _block_v(dv: int) -> int:
-    """dv block: a grid dimension of the forward kernels, a loop in the backward one. The
-    interpreter uses the smallest block so that tests with dv > 16 cover both."""
+    """Forward dv block (a grid dimension). The interpreter uses the smallest block so that
+    tests with dv > 16 cover several."""
     return 16 if INTERPRETED else min(pow2(dv), 64)
 
 
-#: Warps per program. With 4, the ahead-of-time compile (bench/bench_kernel_compile.py) showed the
-#: float32 backward spilling 3-25 KB per thread at d=64; with 8 it spills at most ~3 KB.
+@dataclass(frozen=True)
+class BackwardTiles:
+    """Tile sizes of the three backward kernels; ``chunk`` is also the chunk of the state scans.
+
+    Chosen from the ahead-of-time compile (``bench/bench_kernel_compile.py``, sm_90, 8 warps):
+    at chunk 32 the dQ/dK kernel walking dv in 32-wide blocks, dV programs of 64 values and
+    decay programs of 16 values walking dk in 32-wide blocks need no register spill for heads
+    of 64 and 128 in float32, bfloat16 and float64 (155-250 registers). At chunk 64 every one of
+    them spilled at d = 128, and the dQ/dK kernel at d = 64 too (float32, 240-2900 B per thread).
+    """
+
+    chunk: int
+    qk_block_v: int
+    v_block_v: int
+    decay_block_k: int
+    decay_block_v: int
+
+
+def backward_tiles(chunk_size: int, dk: int, dv: int) -> BackwardTiles:
+    """:class:`BackwardTiles` for heads of ``dk`` x ``dv``; the interpreter's smallest blocks
+    let tests with dims above 16 walk several blocks of each kind."""
+    chunk = min(32, pow2(chunk_size))
+    if INTERPRETED:
+        return BackwardTiles(chunk, 16, 16, 16, 16)
+    return BackwardTiles(chunk, min(pow2(dv), 32), min(pow2(dv), 64), min(pow2(dk), 32), 16)
+
+
+#: Warps per program (every lightning kernel): with 4 the float32 kernels spilled at tile sizes
+#: that compile without spills at 8 (bench/bench_kernel_compile.py).
 NUM_WARPS = 8
 
 
@@ -285,7 +377,7 @@ def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.d
     s0c = None if s0 is None else s0.contiguous()
     if b * h == 0 or length == 0:
         return o, _empty_sequence_state(s0c, (b, h, dk, dv), acc, q.device)
-    bc = _block_c(chunk_size, dk, acc)
+    bc = _block_c(chunk_size, dk, q.dtype)
     after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)
     nc = after.shape[1]
     d_t, d_s = _decay_args(decay, q)
@@ -318,18 +410,32 @@ def lightning_bwd_triton(q, k, v, decay, s0, do, ds, chunk_size: int, acc: torch
     dsc = None if ds is None else ds.contiguous()
     if b * h == 0 or length == 0:
         return dq, dk_, dv_, dd, _empty_sequence_state(dsc, (b, h, dk, dv), acc, q.device)
-    bc = _block_c(chunk_size, dk, acc)
+    tiles = backward_tiles(chunk_size, dk, dv)
+    bc, bk = tiles.chunk, pow2(dk)
     after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)
     grads = _scan_chunks(q, do, decay, dsc, bc, acc, reverse=True)
     nc = after.shape[1]
     d_t, d_s = _decay_args(decay, q)
-    bk, bv = pow2(dk), _block_v(dv)
-    _chunk_grad_kernel[(nc, b * h)](
-        q, k, v, d_t, do, after, s0c if s0c is not None else after, grads, dsc if dsc is not None else grads,
-        dq, dk_, dv_, dd if dd is not None else grads, length, h, dk, dv, nc,
-        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), *d_s,
+    strides = (q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), *d_s)
+    states = (after, s0c if s0c is not None else after, grads, dsc if dsc is not None else grads)
+    consts = dict(BC=bc, ACC=tl_dtype(acc), PREC=dot_precision(q.dtype), num_warps=NUM_WARPS)
+    _chunk_grad_qk_kernel[(nc, b * h)](
+        q, k, v, d_t, do, *states, dq, dk_, length, h, dk, dv, nc, *strides,
         HAS_DECAY=decay is not None, HAS_S0=s0c is not None, HAS_DS=dsc is not None,
-        BC=bc, BK=bk, BV=bv, ACC=tl_dtype(acc), PREC=dot_precision(q.dtype), num_warps=NUM_WARPS,
+        BK=bk, BV=tiles.qk_block_v, **consts,
     )
+    _chunk_grad_v_kernel[(nc, b * h, triton.cdiv(dv, tiles.v_block_v))](
+        q, k, d_t, do, *states[2:], dv_, length, h, dk, dv, nc, *strides,
+        HAS_DECAY=decay is not None, HAS_DS=dsc is not None, BK=bk, BV=tiles.v_block_v, **consts,
+    )
+    if decay is not None:
+        nv = triton.cdiv(dv, tiles.decay_block_v)
+        parts = dd if nv == 1 else torch.empty((nv, b, h, length), dtype=acc, device=q.device)
+        _chunk_grad_decay_kernel[(nc, b * h, nv)](
+            q, k, v, d_t, do, *states, parts, length, h, dk, dv, nc, b * h, *strides,
+            HAS_S0=s0c is not None, HAS_DS=dsc is not None, BK=tiles.decay_block_k, BV=tiles.decay_block_v, **consts,
+        )
+        if nv > 1:
+            torch.sum(parts, dim=0, out=dd)
     ds0 = grads[:, 0].reshape(b, h, dk, dv).clone()
     return dq, dk_, dv_, dd, ds0

@@ -188,7 +188,8 @@ def _tiles(batch: int, n: int, length: int, device: torch.device, itemsize: int 
     if INTERPRETED:
         return Tiles(8, min(16, triton.next_power_of_2(max(1, n))), 4), length
     block_n = min(32, max(16, triton.next_power_of_2(max(1, n))))
-    one_pass = Tiles(128, block_n, 4, prefetch=itemsize < 8)  # float64 prefetch spills registers (sm_90)
+    # float64: 64-step tiles, no prefetch (128 steps, or a prefetched tile, spill registers on sm_90)
+    one_pass = Tiles(128, block_n, 4, prefetch=True) if itemsize < 8 else Tiles(64, block_n, 4)
     if device.type != "cuda":  # launches recorded on CPU tensors for ahead-of-time compilation
         return one_pass, length
     sms = torch.cuda.get_device_properties(device).multi_processor_count
