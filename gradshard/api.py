@@ -253,11 +253,14 @@ class CompiledModule(nn.Module):
             self._refused_probes.add(p_key)
         if entry is None:
             entry = self.specialize(args, kwargs, real_values=real_values)
+            why_not = "; ".join(dict.fromkeys(self.serve_notes))
             if unserved:
-                why_not = "; ".join(dict.fromkeys(self.serve_notes)) or "no specialiser took it"
                 entry.extras["probe_did_not_serve"] = (
                     f"the program compiled at the {get_plan(self.plan).probe_length}-step probe does not serve "
-                    f"this call's length ({why_not}): captured at the call's length instead, on fake tensors")
+                    f"this call's length ({why_not or 'no specialiser took it'}): captured at the call's length "
+                    "instead, on fake tensors")
+            elif why_not and "recaptured_because" in entry.extras:
+                entry.extras["recaptured_because"] += f"; no graph kept for other lengths served it ({why_not})"
         return entry
 
     def _serve(self, key: tuple, args: tuple, kwargs: dict) -> CompiledGraph | None:

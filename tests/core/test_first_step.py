@@ -145,6 +145,10 @@ def test_a_probe_that_cannot_serve_is_dropped_and_explained() -> None:
             text = cm.explain()
     assert "67-step probe does not serve this call's length (the cross-check at T=68, batch 2 failed" in text, text
     assert "reshape" in text
+    # the second length: the graph kept at T=300 does not serve it either, and explain() says why
+    again = cm.explain()
+    assert "captured again because the inputs changed (input 0: shape (2, 300, 8) -> (2, 403, 8))" in again, again
+    assert "no graph kept for other lengths served it (the cross-check at T=301, batch 2 failed" in again, again
 
 
 @pytest.mark.parametrize("plan", ["none", "partial_update"])
