@@ -104,7 +104,12 @@ def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any],
     plan_granule = rule.granularity(opts)
     granule = plan_granule if plan_granule > 1 else default_granule(axes.seq_len)
     batched = any(axes.batch)
-    fit_pts, check_pts = probe_points(granule, batched=batched, seq_lens=probe_seq_lens, chunked=plan_granule > 1)
+    seq_lens = probe_seq_lens
+    above = rule.probe_above(opts)
+    if seq_lens is None and above >= (2 if plan_granule > 1 else 1) * granule:
+        first = 2 * above // granule + 1  # above twice it: past the calls that end in the second window
+        seq_lens = [m * granule for m in (first, first + 1, first + 2, first + 4)]
+    fit_pts, check_pts = probe_points(granule, batched=batched, seq_lens=seq_lens, chunked=plan_granule > 1)
     samples: list[ProbeSample] = []
 
     def probe_all(points: Sequence[tuple[int, int]]) -> None:

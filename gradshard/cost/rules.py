@@ -6,6 +6,8 @@ and frees. A :class:`PlanRule` adds what one process cannot observe or what a pr
 must respect:
 
 - ``granularity(options)``: probe sequence lengths are multiples of it (a chunk, a shard);
+- ``probe_above(options)``: the steady step's probes run above this length (the truncated
+  adjoint runs calls its window covers as the exact adjoint: it is priced as longer calls);
 - ``symbols``/``defaults``: extra symbols of the plan (LASP's world size ``R``);
 - ``per_rank_seq_len``: the length one rank runs (a sequence-parallel rank holds ``T/R``
   tokens): the probes are fitted in ``T`` and then ``T`` is replaced by it;
@@ -26,7 +28,7 @@ Rules come from the plans' semantics in docs/DESIGN.md:
 none                plain autograd: everything saved, as probed
 adjoint             layer inputs + state checkpoints at shard boundaries + one shard's
                     working set, as probed (shards of ``shard_size``)
-truncated_adjoint   adjoint + the window buffer, as probed
+truncated_adjoint   adjoint + the window buffer, as probed above the window
 seco                KV cache / state checkpoints + one chunk's graph, as probed
 spaco               seco's memory; backward FLOPs of the kept chunks, ``budget/k`` of them in
                     expectation (``k = ceil(T / chunk_size)``)
@@ -105,6 +107,9 @@ class PlanRule:
     # lengths at which the compile (what a first call adds) changes form: its cost is fitted
     # piece by piece between them (a plan's probe-first length is added by gs.cost itself)
     compile_breaks: Callable[[Any], tuple[int, ...]] = lambda options: ()
+    # the steady step's probes run at lengths above this: a plan whose step takes another form on
+    # calls up to it is priced in the form of the longer calls there (an overestimate)
+    probe_above: Callable[[Any], int] = lambda options: 0
 
 
 RULES: dict[str, PlanRule] = {}
@@ -137,8 +142,10 @@ register_rule(PlanRule(
     "adjoint", "layer inputs + state checkpoints at shard boundaries + one shard's working set, as probed",
     granularity=lambda o: _opt(o, "shard_size", 1)))
 register_rule(PlanRule(
-    "truncated_adjoint", "adjoint + the window buffer, as probed",
-    granularity=lambda o: _lcm(_opt(o, "shard_size", 1), min(_opt(o, "window", 1), _opt(o, "shard_size", 1)))))
+    "truncated_adjoint", "adjoint + the window buffer, as probed (calls longer than the window; a call the "
+    "window covers runs the exact adjoint, chunked where a region has the block form: priced as a longer one)",
+    granularity=lambda o: _lcm(_opt(o, "shard_size", 1), min(_opt(o, "window", 1), _opt(o, "shard_size", 1))),
+    probe_above=lambda o: _opt(o, "window", 0)))
 #: The chunk planner's dry run evaluates at most this many chunks (first three, middle, last two).
 CHUNK_DRY_RUN_SAMPLES = 6
 

@@ -118,16 +118,28 @@ def _truncated_reference(model: SsdNet, window: int) -> SsdNet:
     return ref
 
 
-@pytest.mark.parametrize("window", [6, 64])
-def test_truncated_adjoint_keeps_the_per_step_form(window):
-    """The windowed adjoint needs per-step lam; its regions are never chunked. A window shorter
-    than the call equals the windowed reference, a longer one the exact gradient."""
+def test_truncated_adjoint_runs_chunked_where_its_window_covers_the_call():
+    """window >= T is the exact adjoint: chunked shards, no per-step states; a shorter window
+    truncates the per-step lam: that call runs per-step shards, equal to the windowed reference."""
     torch.manual_seed(2)
     model = SsdNet().double()
     x = torch.randn(1, 21, 6, dtype=F64)
-    ref = _truncated_reference(model, window) if window < 21 else None
-    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=ref, shard_size=8, window=window)
-    assert all(m.chunked is None for m in cm.graph.modules() if hasattr(m, "chunked"))
+    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", shard_size=8, window=64)
+    regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
+    assert regions and all(r.chunked is not None and r.chunked_at(21) and not r.chunked_at(65) for r in regions)
+    assert "on calls with T <= window (64)" in cm.explain()
+    watch = StateWatch((3, 4, 5))
+    with watch:
+        cm(x.requires_grad_()).square().sum().backward()
+    assert 0 < watch.most_steps <= 2
+    torch.manual_seed(5)
+    model = SsdNet().double()
+    ref = _truncated_reference(model, 6)
+    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=ref, shard_size=8, window=6)
+    watch = StateWatch((3, 4, 5))
+    with watch:
+        cm(x.requires_grad_()).square().sum().backward()
+    assert watch.most_steps >= 8  # a shard's per-step states
 
 
 def test_chunked_regions_recompute_layer_inputs_from_the_region_before():

@@ -73,3 +73,19 @@ def test_registry():
         assert get_rule("none").granularity(None) == 4
     finally:
         RULES["none"] = old
+
+
+def test_truncated_adjoint_is_probed_above_its_window():
+    """A call its window covers runs the exact adjoint (chunked shards where a region has the
+    block form), a longer one the windowed per-step form: the probes price the longer calls' form,
+    so every one runs above twice the window (past the calls that end in the second window), and
+    the fit predicts a measured step there. (With a window of several shards the step's allocated
+    bytes move with ``T`` mod the window: the fit is least squares, not exact.)"""
+    opts = {"window": 32, "shard_size": 8}
+    target, inputs = F.ssm(seq_len=40)
+    report = cost(target, "truncated_adjoint", example_inputs=inputs, extra_rounds=0, first_step=False, **opts)
+    assert min(p.seq_len for p in report.probes) > 2 * opts["window"], [p.seq_len for p in report.probes]
+    measured = measure_step(F.ssm, "truncated_adjoint", opts, 120, 2)
+    predicted = report.evaluate(seq_len=120, batch=2)
+    assert predicted["peak_bytes"] == pytest.approx(measured.peak_bytes, rel=0.1)
+    assert predicted["flops"] == pytest.approx(measured.flops, rel=0.1)

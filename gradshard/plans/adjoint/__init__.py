@@ -90,3 +90,6 @@ class TruncatedAdjointOptions:
     window: int
     shard_size: int = 256
     recompute_layer_inputs: bool = False  # as for plan="adjoint"
+    #: as for plan="adjoint", on calls with ``window >= T`` (the exact adjoint); shorter windows
+    #: truncate the per-step adjoint state, so those calls run the per-step form
+    chunked: bool = True

@@ -28,7 +28,8 @@ the per-step form). Backward, right to left: the shard graph again with grad fro
 checkpoint, and one VJP with the incoming ``dL/dy`` and the carried ``dL/dh_end``; the
 initial state's gradient is the carry for the shard before. Exact; the backward holds one
 shard's block tensors, never its per-step states. The truncated adjoint windows the per-step
-adjoint state, so its regions keep the per-step form.
+adjoint state: its regions run chunked only on calls its window covers (the exact adjoint),
+per-step shards on longer ones (:meth:`~gradshard.plans.adjoint.runtime.AdjointRegion.chunked_at`).
 
 :func:`match_chunked_form` recognises the form on the region's captured graphs by structure
 and shape (a product of ``x[..., None]`` and ``B[..., None, :]`` as ``u``; ``a`` broadcast over

@@ -260,7 +260,8 @@ class AdjointRegion(LengthCache, nn.Module):
         with torch.no_grad():
             leaves = [x if d is None else self.remat_window(i, extras, lo, hi, T) if x is None else x.narrow(d, lo, hi - lo)
                       for i, (x, d) in enumerate(zip(inputs, self.io.input_time_dims))]
-            ys, _ = self.run_shard(leaves, hi - lo, b - lo, we - b, None if b == 0 else ckpts[b // self.shard_size - 1])
+            ys, _ = self.run_shard(leaves, hi - lo, b - lo, we - b, None if b == 0 else ckpts[b // self.shard_size - 1],
+                                   self.chunked_at(T))
         return [y.narrow(td, ws - b, we - ws) for y, td in zip(ys, self.io.output_time_dims)]
 
     # ---------------------------------------------------------------- per-shard pieces
@@ -270,11 +271,17 @@ class AdjointRegion(LengthCache, nn.Module):
         ws, we = self.window_of(s, e, T)
         return [narrow(x, d, ws, we - ws) for x, d in zip(inputs, self.io.input_time_dims)], we - ws, s - ws
 
+    def chunked_at(self, T: int) -> bool:
+        """Whether a ``T``-step call runs chunked shards: always where the region has the form,
+        under the truncated adjoint only when its window covers the call (the exact adjoint)."""
+        return self.chunked is not None and (self.plan != "truncated_adjoint" or self.window >= T)
+
     def run_shard(self, win: Sequence[Tensor], length: int, start: int, steps: int,
-                  h: Optional[Tensor]) -> tuple[list[Tensor], Tensor]:
+                  h: Optional[Tensor], chunked: bool) -> tuple[list[Tensor], Tensor]:
         """The readout outputs of steps ``[start, start + steps)`` of a ``length``-step window of the
-        inputs, and the state after them, from state ``h`` (None: the region's initial state)."""
-        if self.chunked is not None:
+        inputs, and the state after them, from state ``h`` (None: the region's initial state);
+        ``chunked``: as one chunked shard graph (:meth:`chunked_at`)."""
+        if chunked:
             outs = self.shard_on(length, start, steps, h is not None)(*win, *([] if h is None else [h]))
             return list(outs[:-1]), outs[-1]
         outs = self.producers_on(length, start, steps)(*win)
@@ -308,11 +315,11 @@ class AdjointRegion(LengthCache, nn.Module):
         shards = self.shards(T)
         c = self.costs
         n = self.region_name
-        kernel = (self.chunked_kernel() if self.chunked is not None
-                  else _scan_kernel_name(self.scan.kind, self.kernel_backend))
+        chunked = self.chunked_at(T)
+        kernel = self.chunked_kernel() if chunked else _scan_kernel_name(self.scan.kind, self.kernel_backend)
         lam = "truncated adjoint (blockwise, window %s)" % self.window if self.plan == "truncated_adjoint" else "adjoint"
         # a chunked region's block form replaces the per-step scan and its contraction
-        scan_flops = c.get("block_flops", 0) if self.chunked is not None else c.get("scan_flops", 0)
+        scan_flops = c.get("block_flops", 0) if chunked else c.get("scan_flops", 0)
         readout_flops = c.get("readout_flops", 0) - c.get("contraction_flops", 0)
         fwd = Stage(name=f"{n}:forward", kind="forward_chunk", phase="forward", region=n,
                     memory_bytes=int(c.get("saved_bytes", 0)),
@@ -321,7 +328,7 @@ class AdjointRegion(LengthCache, nn.Module):
                                         f"{len(shards)} state checkpoint(s)")
         out = [fwd]
         per_step = lambda key: c.get(key, 0) / max(T, 1)  # noqa: E731
-        if self.chunked is not None:  # one graph per shard, run again with grad: one VJP, no per-step states
+        if chunked:  # one graph per shard, run again with grad: one VJP, no per-step states
             for k in range(len(shards) - 1, -1, -1):
                 s, e = shards[k]
                 ws, we = self.window_of(s, e, T)
@@ -414,6 +421,7 @@ class AdjointFunction(torch.autograd.Function):
         inputs, extras = all_inputs[:n_base], all_inputs[n_base:]
         T = region.seq_len(inputs)
         shards = region.shards(T)
+        chunked = region.chunked_at(T)
         sp = region.scan
         io = region.io
         outputs: list[Optional[Tensor]] = [None] * len(io.output_time_dims)
@@ -423,7 +431,7 @@ class AdjointFunction(torch.autograd.Function):
             for s, e in shards:
                 ckpts.append(h)
                 win, length, start = region.shard_window(inputs, s, e, T)
-                ys, h = region.run_shard(win, length, start, e - s, h)
+                ys, h = region.run_shard(win, length, start, e - s, h, chunked)
                 for i, (y, td) in enumerate(zip(ys, io.output_time_dims)):
                     if td is None:
                         raise RuntimeError(f"{region.region_name}: readout output {i} has no time axis")
@@ -487,7 +495,7 @@ class AdjointFunction(torch.autograd.Function):
                     w = region.remat_window(i, extras, ws, we, T) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             last = k == len(shards) - 1
-            if region.chunked is not None:
+            if region.chunked_at(T):
                 shard_grads, carry = _chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
                                                           ws, we, d_final if last else carry)
             else:
