@@ -82,6 +82,12 @@ def _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC: tl.constexpr, BK: tl.con
 
 
 @triton.jit
+def _rows(X, base, t, s_t, offs, mask, ACC: tl.constexpr):
+    """The (steps ``t``) x (columns ``offs``) tile of a (.., T, d) tensor at ``base``, in ``ACC``."""
+    return tl.load(X + base + t[:, None] * s_t + offs[None, :], mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
 def _neighbour_state(BUF, EDGE, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask,
                      STEP: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr):
     """``BUF[bh, c + STEP]`` (a (B*H, NC, dk, dv) chunk-state buffer), or ``EDGE[bh]`` (or 0)
@@ -111,8 +117,8 @@ def _chunk_outer_kernel(
     pid_bh = tl.program_id(1)
     pid_v = tl.program_id(2)
     b, h, offs_c, offs_k, offs_v, kmask, vmask, t, tmask = _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC, BK, BV)
-    x = tl.load(X + b * sx_b + h * sx_h + t[:, None] * sx_t + offs_k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0).to(ACC)
-    y = tl.load(Y + b * sy_b + h * sy_h + t[:, None] * sy_t + offs_v[None, :], mask=tmask[:, None] & vmask[None, :], other=0.0).to(ACC)
+    x = _rows(X, b * sx_b + h * sx_h, t, sx_t, offs_k, tmask[:, None] & kmask[None, :], ACC)
+    y = _rows(Y, b * sy_b + h * sy_h, t, sy_t, offs_v, tmask[:, None] & vmask[None, :], ACC)
     m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
     if FROM_START:
         w = p
@@ -141,9 +147,9 @@ def _chunk_output_kernel(
     qk_mask = tmask[:, None] & kmask[None, :]
     v_mask = tmask[:, None] & vmask[None, :]
     q_base = b * sq_b + h * sq_h
-    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-    v = tl.load(V + b * sv_b + h * sv_h + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    q = _rows(Q, q_base, t, sq_t, offs_k, qk_mask, ACC)
+    k = _rows(K, q_base, t, sq_t, offs_k, qk_mask, ACC)
+    v = _rows(V, b * sv_b + h * sv_h, t, sv_t, offs_v, v_mask, ACC)
     m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
     s = _neighbour_state(SA, S0, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, kmask[:, None] & vmask[None, :],
                          -1, HAS_S0, ACC)
@@ -184,16 +190,16 @@ def _chunk_grad_qk_kernel(
         vmask = offs_v < DV
         smask = kmask[:, None] & vmask[None, :]
         v_mask = tmask[:, None] & vmask[None, :]
-        v = tl.load(V + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
-        do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+        v = _rows(V, v_base, t, sv_t, offs_v, v_mask, ACC)
+        do = _rows(DO, v_base, t, sv_t, offs_v, v_mask, ACC)
         s = _neighbour_state(SA, S0, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, -1, HAS_S0, ACC)
         gx = _neighbour_state(RA, DS, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, 1, HAS_DS, ACC)
         dov += tl.dot(do, tl.trans(v), input_precision=PREC)
         dq_s += tl.dot(do * p[:, None], tl.trans(s), input_precision=PREC)
         dk_g += tl.dot(v, tl.trans(gx), input_precision=PREC)
     dovm = dov * m
-    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    q = _rows(Q, q_base, t, sq_t, offs_k, qk_mask, ACC)
+    k = _rows(K, q_base, t, sq_t, offs_k, qk_mask, ACC)
     dq = tl.dot(dovm, k, input_precision=PREC) + dq_s
     tl.store(DQ + q_base + t[:, None] * sq_t + offs_k[None, :], dq, mask=qk_mask)
     dk = tl.dot(tl.trans(dovm), q, input_precision=PREC) + gam[:, None] * dk_g
@@ -221,8 +227,8 @@ def _chunk_grad_decay_kernel(
     q_base = b * sq_b + h * sq_h
     v_base = b * sv_b + h * sv_h
     d_off = b * sd_b + h * sd_h
-    v = tl.load(V + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
-    do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    v = _rows(V, v_base, t, sv_t, offs_v, v_mask, ACC)
+    do = _rows(DO, v_base, t, sv_t, offs_v, v_mask, ACC)
     qk = tl.zeros([BC, BC], dtype=ACC)
     w = tl.zeros([BC], dtype=ACC)
     z = tl.zeros([BC], dtype=ACC)
@@ -235,9 +241,9 @@ def _chunk_grad_decay_kernel(
         s = _neighbour_state(SA, S0, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, -1, HAS_S0, ACC)
         gx = _neighbour_state(RA, DS, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, smask, 1, HAS_DS, ACC)
         sg += tl.sum(gx * s, axis=1)
-        q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+        q = _rows(Q, q_base, t, sq_t, offs_k, qk_mask, ACC)
         w += tl.sum(q * tl.dot(do, tl.trans(s), input_precision=PREC), axis=1)
-        k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+        k = _rows(K, q_base, t, sq_t, offs_k, qk_mask, ACC)
         z += tl.sum(k * tl.dot(v, tl.trans(gx), input_precision=PREC), axis=1)
         qk += tl.dot(q, tl.trans(k), input_precision=PREC)
     m, p, gam, pe = _decay_factors(D, d_off, t, sd_t, tmask, offs_c, True, BC, ACC)
@@ -266,11 +272,11 @@ def _chunk_grad_v_kernel(
     v_mask = tmask[:, None] & vmask[None, :]
     q_base = b * sq_b + h * sq_h
     v_base = b * sv_b + h * sv_h
-    q = tl.load(Q + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
-    k = tl.load(K + q_base + t[:, None] * sq_t + offs_k[None, :], mask=qk_mask, other=0.0).to(ACC)
+    q = _rows(Q, q_base, t, sq_t, offs_k, qk_mask, ACC)
+    k = _rows(K, q_base, t, sq_t, offs_k, qk_mask, ACC)
     m, p, gam, pe = _decay_factors(D, b * sd_b + h * sd_h, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
     kqm = tl.dot(k, tl.trans(q), input_precision=PREC) * tl.trans(m)  # ((Q K^T) * M)^T
-    do = tl.load(DO + v_base + t[:, None] * sv_t + offs_v[None, :], mask=v_mask, other=0.0).to(ACC)
+    do = _rows(DO, v_base, t, sv_t, offs_v, v_mask, ACC)
     gx = _neighbour_state(RA, DS, pid_bh, pid_c, NC, DK, DV, offs_k, offs_v, kmask[:, None] & vmask[None, :],
                           1, HAS_DS, ACC)
     dv = tl.dot(kqm, do, input_precision=PREC) + gam[:, None] * tl.dot(k, gx, input_precision=PREC)
