@@ -483,7 +483,9 @@ class AdjointFunction(torch.autograd.Function):
                 donated[i] = DonatedGrad(dys[j], io.input_time_dims[i])
         shards = region.shards(T)
         carry: Optional[Tensor] = None
-        sweep = TruncatedSweep(sp.kind, region.window, T) if region.plan == "truncated_adjoint" else None
+        chunked = region.chunked_at(T)
+        # the windowed lam of per-step shards (a chunked call is the exact adjoint)
+        sweep = TruncatedSweep(sp.kind, region.window, T) if region.plan == "truncated_adjoint" and not chunked else None
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             ws, we = region.window_of(s, e, T)
@@ -495,7 +497,7 @@ class AdjointFunction(torch.autograd.Function):
                     w = region.remat_window(i, extras, ws, we, T) if x is None else x.narrow(d, ws, we - ws).detach()
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             last = k == len(shards) - 1
-            if region.chunked_at(T):
+            if chunked:
                 shard_grads, carry = _chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
                                                           ws, we, d_final if last else carry)
             else:
