@@ -311,7 +311,7 @@ class CompiledModule(nn.Module):
         until = get_plan(self.plan).probe_until
         try:
             if until is None:
-                self.specialize(p_args, p_kwargs, real_values=p_real)
+                entry = self.specialize(p_args, p_kwargs, real_values=p_real)
             else:
                 with torch.random.fork_rng():
                     entry = self.compile_at(p_args, p_kwargs, real_values=p_real, plain_when_short=False,
@@ -319,6 +319,7 @@ class CompiledModule(nn.Module):
                 self._probes[p_key] = entry
                 while len(self._probes) > self.cache_size:
                     self._probes.popitem(last=False)
+            entry.extras["probe"] = True  # compiled to serve another length (specialisers read it)
         except GradshardError as exc:
             log.info("gradshard: the probe compile at T=%d was refused (%s); capturing at full length",
                      probe, first_line(exc))

@@ -56,14 +56,20 @@ class RespecializeError(RuntimeError):
 @dataclass(frozen=True)
 class DimFact:
     """How one output dim's size depends on the sequence length ``T`` and, with ``batch``, on
-    the batch size ``B`` (the size is then a multiple of ``B`` and scales with it)."""
+    the batch size ``B`` (the size is then a multiple of ``B`` and scales with it).
 
-    kind: str  # "shift" | "scale" | "fixed"
+    ``"symbolic"``: the size is ``size_of(T, B)``, an expression a symbolic trace gave
+    (:mod:`gradshard.passes.symbolic_sizes`: a pad to a multiple of a chunk, a chunk count)."""
+
+    kind: str  # "shift" | "scale" | "fixed" | "symbolic"
     value: int
     batch: bool = False
+    size_of: Optional[Callable[[int, Optional[int]], int]] = None
 
     def size(self, T: int, old: int, batch: tuple[int, int] = (1, 1)) -> int:
         """The size at length ``T``; ``batch``: the captured and the new batch size."""
+        if self.kind == "symbolic":
+            return self.size_of(T, batch[1])
         if self.kind == "shift":
             n = T + self.value
         elif self.kind == "scale":
@@ -287,8 +293,13 @@ _FAKE_VALUE_KEYS = ("val", "tensor_meta", "example_value")
 
 def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
                  strict_scalars: bool = False, module_outputs: Optional[Callable[[fx.Node, list], Any]] = None,
-                 batch: tuple[int, int] = (1, 1), keep_values: bool = True) -> fx.GraphModule:
+                 batch: tuple[int, int] = (1, 1), keep_values: bool = True,
+                 rewrite_args: Optional[Callable[[fx.Node], Optional[tuple[tuple, dict]]]] = None) -> fx.GraphModule:
     """A copy of ``gm`` for sequence length ``T_new`` (verified; see the module doc).
+
+    ``rewrite_args(node)``: the node's ``(args, kwargs)`` at the new sizes, or None to rewrite
+    them from the facts (:meth:`gradshard.passes.symbolic_sizes.SymbolicSizes.rewrite_args`
+    for the nodes a symbolic trace covers).
 
     ``keep_values=False``: the copy's nodes keep no fake values once verified (a copy that is
     only run: each value holds a fake tensor, and a program keeps one copy per shard length).
@@ -304,7 +315,12 @@ def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function":
+        own = rewrite_args(node) if rewrite_args is not None and node.op == "call_function" else None
+        if own is not None:
+            args, kwargs = own
+            new = new_graph.create_node(node.op, node.target, fx.node.map_arg(args, lambda a: env[a]),
+                                        fx.node.map_arg(kwargs, lambda a: env[a]), name=node.name)
+        elif node.op == "call_function":
             f = facts.get(node.name, ())
             timed = any(x is not None and x.moves(batch) for x in f)
             in_timed = any(any(x is not None and x.moves(batch) for x in facts.get(a.name, ())) for a in node.all_input_nodes)

@@ -27,7 +27,7 @@ import copy
 import dataclasses
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -434,20 +434,29 @@ def capture(
     kwargs: dict | None = None,
     *,
     frontend: str = "python",
+    symbolic: Mapping[int, Sequence[int]] | None = None,
 ) -> Captured:
     """Capture ``target(*args, **kwargs)`` into one aten-level graph (see module doc).
 
     Known third-party kernels that cannot be traced (mamba_ssm's ``selective_scan_fn``) are
     replaced by traceable twins while capturing (:mod:`gradshard.capture.substitutions`); the graph
     records which in ``gm.meta["gs_substituted"]``.
+
+    ``symbolic`` (tensor input index -> dims): trace with those input dims as symbols (every
+    other size, parameters' included, static) and keep the symbolic graph as traced, not
+    canonicalised: sizes computed in Python from them (a pad to a multiple of a chunk, a
+    chunk count) stay expressions in the nodes' integer arguments and ``meta['val']`` shapes,
+    and ``gm.meta["gs_shape_env"]`` holds the guards tracing assumed. A shape oracle for
+    :mod:`gradshard.passes.symbolic_sizes`, not a graph to run.
     """
     with substitute_known_kernels() as substituted:
-        captured = _capture(target, args, kwargs or {}, frontend)
+        captured = _capture(target, args, kwargs or {}, frontend, symbolic)
     captured.gm.meta["gs_substituted"] = tuple(substituted)
     return captured
 
 
-def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, frontend: str) -> Captured:
+def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, frontend: str,
+             symbolic: Mapping[int, Sequence[int]] | None = None) -> Captured:
     if frontend not in FRONTENDS:
         raise ValueError(f"unknown frontend {frontend!r}; choose one of {FRONTENDS}")
     modules = _find_modules(target, args, kwargs)
@@ -512,8 +521,9 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
     # (a counter, BatchNorm statistics) must not reach the user's buffers.
     traced_buffers = [b.detach().clone().requires_grad_(b.requires_grad) for _, b in named_buffers]
     example = [p for _, p in named_params] + traced_buffers + [leaves[i] for i in tensor_positions]
+    dynamic = None if symbolic is None else {n_p + n_b + i: tuple(dims) for i, dims in symbolic.items()}
     try:
-        gm = _trace(flat_fn, example, modules if frontend == "python" else [])
+        gm = _trace(flat_fn, example, modules if frontend == "python" else [], dynamic=dynamic)
     except CaptureError:
         raise
     except Exception as exc:
@@ -521,6 +531,12 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
         raise CaptureError("could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
                            + why) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], example)
+    if symbolic is not None:
+        return Captured(gm=gm, frontend=frontend, param_names=[n for n, _ in named_params],
+                        buffer_names=[n for n, _ in named_buffers], params=[p for _, p in named_params],
+                        buffers=[b for _, b in named_buffers], input_spec=in_spec, tensor_positions=tensor_positions,
+                        constant_leaves=leaves, rebuild_output=rebuild_box["rebuild"], example_inputs=example,
+                        modules=modules)
     canonicalize(gm)
     phs = list(gm.graph.find_nodes(op="placeholder"))
     updates = functionalize_buffer_updates(gm, phs[n_p : n_p + n_b], [n for n, _ in named_buffers])
@@ -543,7 +559,7 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
 
 
 def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequence[tuple[str, nn.Module]],
-           mode: str = _TRACING_MODE) -> fx.GraphModule:
+           mode: str = _TRACING_MODE, dynamic: Mapping[int, Sequence[int]] | None = None) -> fx.GraphModule:
     """make_fx at the pre-dispatch level (high-level aten ops survive); fall back to the
     post-dispatch level when pre-dispatch tracing loses the data flow.
 
@@ -551,8 +567,15 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     mode) bakes traced intermediates in as constants; the post-dispatch level traces it
     correctly, at the price of decomposing composite ops (``linear`` becomes
     ``t``+``addmm``). A graph that still holds a constant requiring grad is rejected.
+
+    ``dynamic`` (index into ``example`` -> dims): trace symbolically, those dims as symbols
+    (the shape environment in ``gm.meta["gs_shape_env"]``).
     """
-    with TRACE_LOCK, _record_module_stack(modules):  # make_fx is not thread-safe
+    fake_mode = contextlib.nullcontext()
+    if dynamic is not None:
+        example, fake_mode = _symbolic_example(example, dynamic)
+        mode = "symbolic"
+    with TRACE_LOCK, _record_module_stack(modules), fake_mode:  # make_fx is not thread-safe
         gm = make_fx(fn, tracing_mode=mode, pre_dispatch=True, record_stack_traces=True,
                      _allow_non_fake_inputs=True)(*example)
         if _trainable_constants(gm):
@@ -561,7 +584,26 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
             gm.meta["gs_dispatch_level"] = "post"
     _check_no_trainable_constants(gm)
     share_stack_traces(gm)
+    if dynamic is not None:
+        gm.meta["gs_shape_env"] = fake_mode.shape_env
     return gm
+
+
+def _symbolic_example(example: list[torch.Tensor], dynamic: Mapping[int, Sequence[int]]) -> tuple[list[Any], Any]:
+    """Fake copies of ``example`` in a new mode with a shape environment: the dims in
+    ``dynamic`` are symbols (one per size: inputs of one length share it), every other size
+    static."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    out = []
+    for i, t in enumerate(example):
+        dims = set(dynamic.get(i, ()))
+        ctx = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(t.dim())])
+        out.append(fake_mode.from_tensor(t, symbolic_context=ctx))
+    return out, fake_mode
 
 
 def share_stack_traces(gm: fx.GraphModule) -> None:

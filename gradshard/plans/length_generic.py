@@ -59,6 +59,7 @@ from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
 from gradshard.passes.respecialize import RespecializeError, call_sizes, cut_call, respecialize, time_facts
+from gradshard.passes.symbolic_sizes import SymbolicSizes, read_symbolic_sizes
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 from gradshard.runtime.compiled import forgetting_new_lengths
 
@@ -94,6 +95,10 @@ class LengthGeneric:
     batch: Optional[int] = None
     batch_inputs: dict[str, int] = dataclasses.field(default_factory=dict)  # placeholder name -> batch dim
     verified: dict[tuple[bool, bool], bool] = dataclasses.field(default_factory=dict)
+    #: Sizes the time facts cannot follow, from a symbolic trace (see "Sizes computed in Python").
+    symbolic: Optional[SymbolicSizes] = None
+    #: Why a symbolic trace could not describe this graph (not tried again).
+    symbolic_refused: Optional[str] = None
 
     def sizes(self) -> tuple[int, Optional[int]]:
         return self.seq_len, self.batch
@@ -214,10 +219,18 @@ def _cut(entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes)
 
 
 def _respecialize(lg: LengthGeneric, sizes: Sizes) -> fx.GraphModule:
-    """The kept graph re-specialised to ``sizes`` (verified on fake tensors)."""
+    """The kept graph re-specialised to ``sizes`` (verified on fake tensors), its integers
+    rewritten from the time facts or, where a symbolic trace gave them, from its expressions."""
     T, B = sizes
     batch = (lg.batch, B) if lg.batch is not None and B is not None else (1, 1)
-    return respecialize(lg.graph, lg.facts, lg.seq_len, T, strict_scalars=True, batch=batch)
+    rec = lg.symbolic
+    if rec is None:
+        return respecialize(lg.graph, lg.facts, lg.seq_len, T, strict_scalars=True, batch=batch)
+    why = rec.failing_guard(T, B)
+    if why is not None:
+        raise RespecializeError(f"the symbolic trace's guard {why} is false at {_describe(sizes)}")
+    return respecialize(lg.graph, {**lg.facts, **rec.facts}, lg.seq_len, T, strict_scalars=True, batch=batch,
+                        rewrite_args=lambda node: rec.rewrite_args(node, T, B))
 
 
 def _generic_passes(plan: str) -> list[Any]:
@@ -245,7 +258,27 @@ def _probe_sizes(lg: LengthGeneric, sizes: Sizes) -> Sizes:
         return old if new == old or new is None or old is None else (old + 1 if new > old else new)
 
     T, B = probe(lg.seq_len, sizes[0]), probe(lg.batch, sizes[1])
-    return int(T), B
+    rec = lg.symbolic
+    if rec is None or rec.failing_guard(T, B) is None:
+        return int(T), B
+    # the symbolic trace's guards (two chunks or more, a pad that is not empty) may rule the
+    # next length out: the shortest candidate they allow, at worst the call's own sizes
+    for B_probe in dict.fromkeys((B, sizes[1])):
+        for T_probe in _candidate_lengths(lg.seq_len, sizes[0]):
+            if rec.failing_guard(T_probe, B_probe) is None:
+                return T_probe, B_probe
+    return sizes
+
+
+def _candidate_lengths(old: int, new: int) -> list[int]:
+    """Lengths in ``(old, new]`` to cross-check at, shortest first: a few steps more than
+    ``old``, ``old + 1`` doubled, ``new`` halved; ``new``'s alone when it is not longer."""
+    if new <= old:
+        return [new]
+    found = {old + 1, old + 2, old + 3, new}
+    found |= {(old + 1) << i for i in range(1, 40) if (old + 1) << i <= new}
+    found |= {new >> i for i in range(1, 40) if new >> i > old}
+    return sorted(found)
 
 
 def _cross_check(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes) -> bool:
@@ -327,6 +360,9 @@ def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: d
     ctx.plan_state[STATE_KEY] = lg
     T_new, B_new = sizes
     notes = [f"T: {lg.seq_len} -> {T_new}"] + ([f"batch: {lg.batch} -> {B_new}"] if B_new != lg.batch else [])
+    if lg.symbolic is not None:
+        notes.append(f"the integers of {sum(map(bool, lg.symbolic.args.values()))} nodes from a capture with symbolic sizes at "
+                     f"{_describe(lg.symbolic.hint)} (its {len(lg.symbolic.guards)} guards hold here)")
     record = PassRecord(
         name="respecialize_length",
         doc=f"re-specialise the graph the length-generic passes left at {_describe(lg.sizes())} to "
@@ -348,24 +384,102 @@ def _served_entry(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: d
 def serve_new_length(cm: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """Specialiser (``CompiledModule.register_specializer``): an entry for inputs that differ
     from a cached entry of a length-generic plan only in their time length (or batch size), or
-    None to capture as usual."""
+    None to capture as usual. A kept graph whose integers its time facts cannot follow to the
+    call's sizes is traced once with symbolic sizes and tried again (:func:`_trace_symbolic`)."""
+    kept: list[tuple[Any, LengthGeneric, Sizes]] = []
     for entry, lg, sizes in entries_at_new_length(cm, args, kwargs, STATE_KEY, LengthGeneric):
-        change = (sizes[0] != lg.seq_len, sizes[1] != lg.batch)
-        if change not in lg.verified:
-            lg.verified[change] = _cross_check(cm, entry, lg, args, kwargs, sizes)  # notes a failure
-        elif not lg.verified[change]:
-            _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: its cross-check for this kind of change "
-                      "failed at an earlier call")
-        if not lg.verified[change]:
-            continue  # another entry (a probe compiled at this batch) may serve it
-        try:
-            with torch.random.fork_rng():  # compiling must not consume the user's random stream
-                served = _served_entry(cm, entry, lg, args, kwargs, sizes)
-        except (RespecializeError, GradshardError) as exc:
-            # a refusal at the new length is reported by the capture at that length, if it stands
-            _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: {first_line(exc)}")
-            continue
-        log.info("gradshard: serving %s from the graph captured at %s (no new capture)", _describe(sizes),
-                 _describe(lg.sizes()))
-        return served
+        if all(lg is not other for _, other, _ in kept):  # entries served from one kept graph share it
+            kept.append((entry, lg, sizes))
+    for entry, lg, sizes in kept:
+        served = _serve_from(cm, entry, lg, args, kwargs, sizes)
+        if served is not None:
+            return served
+    # none serves as it is: the newest whose time facts (or guards) a symbolic trace corrects
+    traced: dict[str, Any] = {}  # the call's symbolic capture, made at most once
+    for entry, lg, sizes in kept:
+        if _trace_symbolic(cm, entry, lg, args, kwargs, sizes, traced):
+            served = _serve_from(cm, entry, lg, args, kwargs, sizes)
+            if served is not None:
+                return served
     return None
+
+
+def _serve_from(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes) -> Optional[Any]:
+    """``entry``'s kept graph served at ``sizes`` once its change is cross-checked, or None (noted)."""
+    change = (sizes[0] != lg.seq_len, sizes[1] != lg.batch)
+    if change not in lg.verified:
+        lg.verified[change] = _cross_check(cm, entry, lg, args, kwargs, sizes)  # notes a failure
+    elif not lg.verified[change]:
+        _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: its cross-check for this kind of change "
+                  "failed at an earlier call")
+    if not lg.verified[change]:
+        return None  # another entry (a probe compiled at this batch) may serve it
+    try:
+        with torch.random.fork_rng():  # compiling must not consume the user's random stream
+            served = _served_entry(cm, entry, lg, args, kwargs, sizes)
+    except (RespecializeError, GradshardError) as exc:
+        # a refusal at the new length is reported by the capture at that length, if it stands
+        _note(cm, f"{_describe(sizes)} from {_describe(lg.sizes())}: {first_line(exc)}")
+        return None
+    log.info("gradshard: serving %s from the graph captured at %s (no new capture)", _describe(sizes),
+             _describe(lg.sizes()))
+    return served
+
+
+# --------------------------------------------------------------------------- sizes computed in Python
+
+
+def _trace_symbolic(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict, sizes: Sizes,
+                    traced: dict[str, Any]) -> bool:
+    """Give ``lg`` the sizes its time facts miss (a pad to a multiple of a chunk, a chunk
+    count: :mod:`gradshard.passes.symbolic_sizes`) from a capture of the call with its inputs'
+    time (and batch) dims as symbols (made once per call, kept in ``traced``), when it had
+    none or one whose guards rule ``sizes`` out. True when it has a new one (its cross-checks
+    start again).
+
+    As Dynamo's automatic dynamic shapes: only a graph captured at a length a call asked for,
+    when another length comes; not a probe's, compiled to serve the call that made it (a
+    symbolic trace costs several captures: sympy reasons about every size; the call is then
+    captured at its own length, and that graph traces symbolically if another length comes)."""
+    if entry.extras.get("probe") or (lg.symbolic is not None and lg.symbolic.failing_guard(*sizes) is None):
+        return False
+    if lg.symbolic_refused is not None:
+        _note(cm, f"a capture with symbolic sizes did not describe the graph kept at {_describe(lg.sizes())} "
+                  f"({lg.symbolic_refused}): not tried again")
+        return False
+    if "gm" not in traced and "error" not in traced:
+        t0 = time.perf_counter()
+        try:
+            traced["gm"] = _capture_symbolic(cm, entry, lg, args, kwargs)
+        except GradshardError as exc:
+            traced["error"] = first_line(exc)
+            _note(cm, f"a capture with symbolic sizes at {_describe(sizes)} failed ({traced['error']})")
+        log.info("gradshard: captured with symbolic sizes at %s in %.1f s", _describe(sizes), time.perf_counter() - t0)
+    if "gm" not in traced:
+        return False
+    try:
+        rec = read_symbolic_sizes(lg.graph, traced["gm"], lg.sizes(), lg.time_inputs, lg.batch_inputs, sizes)
+    except RespecializeError as exc:
+        _note(cm, f"the capture with symbolic sizes at {_describe(sizes)} does not describe the graph kept at "
+                  f"{_describe(lg.sizes())} ({first_line(exc)})")
+        if lg.symbolic is None:  # a record whose guards broke may be replaced by a trace at other sizes
+            lg.symbolic_refused = first_line(exc)
+        return False
+    lg.symbolic = rec
+    lg.verified.clear()
+    log.info("gradshard: the graph kept at %s takes %d nodes' integers from the capture with symbolic sizes "
+             "(%d guards)", _describe(lg.sizes()), sum(map(bool, rec.args.values())), len(rec.guards))
+    return True
+
+
+def _capture_symbolic(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """The call captured with its inputs' time dims (and batch dims, where ``lg`` serves other
+    batch sizes) as symbols."""
+    from gradshard.capture import capture
+
+    phs = list(lg.graph.graph.find_nodes(op="placeholder"))[entry.captured.num_state:]
+    dims = {i: [d for d in (lg.time_inputs.get(ph.name), lg.batch_inputs.get(ph.name)) if d is not None]
+            for i, ph in enumerate(phs)}
+    with torch.random.fork_rng():
+        return capture(cm.target, args, kwargs, frontend=cm.frontend,
+                       symbolic={i: d for i, d in dims.items() if d}).gm

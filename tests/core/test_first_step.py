@@ -135,20 +135,39 @@ def test_a_probe_that_cannot_serve_is_dropped_and_explained() -> None:
     model = _PaddedToChunks()
     ref = copy.deepcopy(model)
     cm = gs.compile(model, plan="none")
-    for T in (300, 403):
-        x = torch.randn(2, T, 8, dtype=torch.float64)
+    x = torch.randn(2, 300, 8, dtype=torch.float64)
+    cm(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert torch.allclose(model.proj.weight.grad, ref.proj.weight.grad, rtol=1e-12)
+    assert not cm._probes  # its graphs are not kept for nothing
+    text = cm.explain()
+    assert "67-step probe does not serve this call's length (the cross-check at T=68, batch 2 failed" in text, text
+    assert "reshape" in text
+
+
+def test_sizes_computed_from_the_length_are_served_from_a_symbolic_trace() -> None:
+    """The pad to a multiple of 16 and the chunk count escape the time facts; at a second length
+    the graph captured at the first is traced with symbolic sizes and serves every length its
+    guards allow (no capture); a length that breaks a guard (a pad of 0) is captured again and
+    explain() names the guard."""
+    model = _PaddedToChunks()
+    ref = copy.deepcopy(model)
+    cm = gs.compile(model, plan="none")
+    for T in (300, 403, 77, 512):
+        x = torch.randn(3 if T == 77 else 2, T, 8, dtype=torch.float64)
+        model.proj.weight.grad = ref.proj.weight.grad = None
         cm(x).pow(2).sum().backward()
         ref(x).pow(2).sum().backward()
         assert torch.allclose(model.proj.weight.grad, ref.proj.weight.grad, rtol=1e-12), T
-        assert not cm._probes  # its graphs are not kept for nothing (nor compiled again at T=403)
-        if T == 300:
-            text = cm.explain()
-    assert "67-step probe does not serve this call's length (the cross-check at T=68, batch 2 failed" in text, text
-    assert "reshape" in text
-    # the second length: the graph kept at T=300 does not serve it either, and explain() says why
-    again = cm.explain()
-    assert "captured again because the inputs changed (input 0: shape (2, 300, 8) -> (2, 403, 8))" in again, again
-    assert "no graph kept for other lengths served it (the cross-check at T=301, batch 2 failed" in again, again
+        text = cm.explain()
+        if T in (403, 77):
+            assert cm.current.extras.get("respecialized_from") == 300, text
+            assert "captured again" not in text, text
+            assert "from a capture with symbolic sizes at T=403, batch 2" in text, text
+    lg = cm.current.ctx.plan_state["length_generic"]
+    assert lg.seq_len == 512 and lg.symbolic is None  # captured again, not served
+    assert "captured again because the inputs changed (input 0: shape (3, 77, 8) -> (2, 512, 8))" in text, text
+    assert "the symbolic trace's guard" in text and "is false at T=512, batch 2" in text, text
 
 
 @pytest.mark.parametrize("plan", ["none", "partial_update"])

@@ -40,3 +40,26 @@ def test_a_padded_batch_is_served_at_new_lengths_and_batch_sizes(family: str, pl
         assert extras.get("respecialized_from") == PROBE_LENGTH and extras.get("batch", 3) == B, cm.explain()
     lg = cm.current.ctx.plan_state["length_generic"]
     assert lg.batch == 3 and len(lg.batch_inputs) == len(lg.time_inputs) == 3  # ids, labels, mask
+
+
+def test_mamba2_pads_to_its_chunk_and_is_served_from_a_symbolic_trace() -> None:
+    """transformers' Mamba-2 pads time to a multiple of its chunk and splits it into chunks,
+    sizes its time facts cannot follow: at the second length the graph captured at the first is
+    traced with symbolic sizes, and serves every length and batch size its guards allow without
+    a capture. A length that is a multiple of the chunk breaks the model's own ``if pad_size > 0``
+    (a guard from modeling_mamba2.py): captured again, and explain() says so."""
+    model, config = build("mamba2")
+    ref = copy.deepcopy(model)
+    cm = gs.compile(model, plan="none")
+    for B, T in [(2, 40), (2, 57), (3, 45), (2, 64)]:
+        call = inputs(config, batch=B, T=T)
+        loss, want = cm(**call).loss, ref(**call).loss
+        got = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        exp = torch.autograd.grad(want, [p for p in ref.parameters() if p.requires_grad])
+        for g, e in zip(got, exp):
+            assert (g - e).abs().max() <= 1e-10 * max(e.abs().max().item(), 1e-30), (B, T)
+        text = cm.explain()
+        if T in (57, 45):
+            assert cm.current.extras.get("respecialized_from") == 40 and "captured again" not in text, text
+            assert "from a capture with symbolic sizes at T=57, batch 2" in text, text
+    assert "captured again" in text and "modeling_mamba2.py" in text and "is false at T=64, batch 2" in text, text
