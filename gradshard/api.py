@@ -169,6 +169,9 @@ class CompiledModule(nn.Module):
         #: probe keys the plan refused: not compiled again (the call is captured at its length)
         self._refused_probes: set[tuple] = set()
         self.serve_notes: list[str] = []  # why a kept graph did not serve the last compile miss (explain())
+        # (module state, (T, B), graph) of the last capture with symbolic sizes (plans/length_generic.py):
+        # the graph then captured at that length takes it when the next length comes, not a trace of its own
+        self.symbolic_trace: tuple[Any, Any, fx.GraphModule] | None = None
         self._last: CompiledGraph | None = None
         self._specializers: list[Specializer] = []
         self._plan_serve = spec.serve

@@ -33,11 +33,16 @@ import torch.utils._pytree as pytree
 
 from gradshard.passes.respecialize import DimFact, RespecializeError
 
-__all__ = ["SymbolicSizes", "read_symbolic_sizes"]
+__all__ = ["BrokenGuard", "SymbolicSizes", "read_symbolic_sizes"]
 
 #: How many nodes of the symbolic trace the alignment looks past for a kept node's twin
 #: (canonicalisation erased the no-op casts between them from the kept graph).
 _LOOKAHEAD = 32
+
+
+class BrokenGuard(RespecializeError):
+    """The kept graph's own sizes break a guard of the symbolic trace (the two took different
+    branches: a trace at other sizes may describe it)."""
 
 
 @dataclass
@@ -175,7 +180,7 @@ def read_symbolic_sizes(kept: fx.GraphModule, sym: fx.GraphModule, sizes: tuple[
     rec.guards = _guards(sym, rec.symbols)
     why = rec.failing_guard(T, B)
     if why is not None:
-        raise RespecializeError(f"the graph kept at T={T} breaks the symbolic trace's guard {why}")
+        raise BrokenGuard(f"the graph kept at T={T} breaks the symbolic trace's guard {why}")
     return rec
 
 

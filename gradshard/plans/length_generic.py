@@ -55,11 +55,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gradshard.analysis.dims import shape_of
 from gradshard.errors import GradshardError, first_line
+from gradshard.capture import state_key
 from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
 from gradshard.passes.respecialize import RespecializeError, call_sizes, cut_call, respecialize, time_facts
-from gradshard.passes.symbolic_sizes import SymbolicSizes, read_symbolic_sizes
+from gradshard.passes.symbolic_sizes import BrokenGuard, SymbolicSizes, read_symbolic_sizes
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass, run_passes
 from gradshard.runtime.compiled import forgetting_new_lengths
 
@@ -447,10 +448,18 @@ def _trace_symbolic(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs:
         _note(cm, f"a capture with symbolic sizes did not describe the graph kept at {_describe(lg.sizes())} "
                   f"({lg.symbolic_refused}): not tried again")
         return False
+    state = state_key(cm.target, args, kwargs)
+    stored = getattr(cm, "symbolic_trace", None)
+    if stored is not None and stored[0] == state:
+        if stored[1] == sizes:
+            traced.setdefault("gm", stored[2])
+        elif _install(lg, stored[2], stored[1], sizes):
+            return True  # the trace of an earlier call (captured at its own length since) describes this graph
     if "gm" not in traced and "error" not in traced:
         t0 = time.perf_counter()
         try:
             traced["gm"] = _capture_symbolic(cm, entry, lg, args, kwargs)
+            cm.symbolic_trace = (state, sizes, traced["gm"])
         except GradshardError as exc:
             traced["error"] = first_line(exc)
             _note(cm, f"a capture with symbolic sizes at {_describe(sizes)} failed ({traced['error']})")
@@ -458,17 +467,31 @@ def _trace_symbolic(cm: Any, entry: Any, lg: LengthGeneric, args: tuple, kwargs:
     if "gm" not in traced:
         return False
     try:
-        rec = read_symbolic_sizes(lg.graph, traced["gm"], lg.sizes(), lg.time_inputs, lg.batch_inputs, sizes)
+        return _install(lg, traced["gm"], sizes, sizes, strict=True)
     except RespecializeError as exc:
         _note(cm, f"the capture with symbolic sizes at {_describe(sizes)} does not describe the graph kept at "
                   f"{_describe(lg.sizes())} ({first_line(exc)})")
-        if lg.symbolic is None:  # a record whose guards broke may be replaced by a trace at other sizes
-            lg.symbolic_refused = first_line(exc)
+        if lg.symbolic is None and not isinstance(exc, BrokenGuard):
+            lg.symbolic_refused = first_line(exc)  # a graph a trace at other sizes may describe is tried again
+        return False
+
+
+def _install(lg: LengthGeneric, sym: fx.GraphModule, hint: Sizes, sizes: Sizes, strict: bool = False) -> bool:
+    """Read ``lg``'s symbolic sizes from ``sym`` (traced at ``hint``) and keep them, if its
+    guards hold at ``sizes``; ``strict``: raise :class:`RespecializeError` instead of False."""
+    try:
+        rec = read_symbolic_sizes(lg.graph, sym, lg.sizes(), lg.time_inputs, lg.batch_inputs, hint)
+    except RespecializeError:
+        if strict:
+            raise
+        return False
+    if rec.failing_guard(*sizes) is not None:
         return False
     lg.symbolic = rec
     lg.verified.clear()
-    log.info("gradshard: the graph kept at %s takes %d nodes' integers from the capture with symbolic sizes "
-             "(%d guards)", _describe(lg.sizes()), sum(map(bool, rec.args.values())), len(rec.guards))
+    log.info("gradshard: the graph kept at %s takes %d nodes' integers from the capture with symbolic sizes at "
+             "%s (%d guards)", _describe(lg.sizes()), sum(map(bool, rec.args.values())), _describe(hint),
+             len(rec.guards))
     return True
 
 
