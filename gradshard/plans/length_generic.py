@@ -39,6 +39,18 @@ batch plus one; both) and checked against a real capture there (same passes, the
 cut to those sizes, forward values compared); a graph that fails the check, or a
 re-specialisation refused by the shape verification, is not served from (another entry may be,
 else the call compiles a new probe or captures at its own sizes).
+
+Sizes computed in Python: a model may compute sizes from ``T`` that no time fact follows
+(transformers' Mamba-2 pads time to a multiple of its chunk, ``(c - T % c) % c`` steps, and
+splits it into ``ceil(T / c)`` chunks). When no kept graph serves a call, the call is captured
+once more with its inputs' time (and batch) dims as symbols, and the newest kept graph that
+trace describes takes its integers from it (:mod:`gradshard.passes.symbolic_sizes`), serving
+every length and batch size the trace's guards allow; the cross-check then runs at the shortest
+length they allow. As Dynamo's automatic dynamic shapes, this happens when a second length
+comes, never for the call a probe was compiled for (a symbolic trace takes several times a
+capture); the last trace is kept on the compiled module, so the graph captured at its length
+takes it when the next length comes. A length that breaks a guard is served by another kept
+graph or captured again, and ``explain()`` names the guard and where tracing assumed it.
 """
 
 from __future__ import annotations
@@ -54,8 +66,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gradshard.analysis.dims import shape_of
-from gradshard.errors import GradshardError, first_line
 from gradshard.capture import state_key
+from gradshard.errors import GradshardError, first_line
 from gradshard.ir import PassRecord
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
@@ -96,7 +108,7 @@ class LengthGeneric:
     batch: Optional[int] = None
     batch_inputs: dict[str, int] = dataclasses.field(default_factory=dict)  # placeholder name -> batch dim
     verified: dict[tuple[bool, bool], bool] = dataclasses.field(default_factory=dict)
-    #: Sizes the time facts cannot follow, from a symbolic trace (see "Sizes computed in Python").
+    #: Sizes the time facts cannot follow, from a symbolic trace (module doc, "Sizes computed in Python").
     symbolic: Optional[SymbolicSizes] = None
     #: Why a symbolic trace could not describe this graph (not tried again).
     symbolic_refused: Optional[str] = None
