@@ -67,6 +67,8 @@ class SymbolicSizes:
         """``expr`` at length ``T`` and batch ``B``."""
         key = (expr, T, B)
         if key not in self._memo:
+            if len(self._memo) > 16384:  # a long run of new lengths: keep the memo bounded
+                self._memo.clear()
             self._memo[key] = int(expr.xreplace(self._subs(T, B)))
         return self._memo[key]
 
