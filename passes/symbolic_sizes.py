@@ -23,6 +23,7 @@ empty); they are the record's guards, and a length that breaks one is refused
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -35,9 +36,8 @@ from gradshard.passes.respecialize import DimFact, RespecializeError
 
 __all__ = ["BrokenGuard", "SymbolicSizes", "read_symbolic_sizes"]
 
-#: How many nodes of the symbolic trace the alignment looks past for a kept node's twin
-#: (canonicalisation erased the no-op casts between them from the kept graph).
-_LOOKAHEAD = 32
+#: How many candidates (same op and source line, in order) the alignment tries for a kept node.
+_TRIES = 8
 
 
 class BrokenGuard(RespecializeError):
@@ -123,20 +123,24 @@ def _is_sym_op(node: fx.Node) -> bool:
 
 
 def _align(kept: fx.Graph, sym: fx.Graph, pairs: Callable[[fx.Node, fx.Node], bool]) -> dict[fx.Node, fx.Node]:
-    """kept node -> its twin in the symbolic trace: the next op node (within
-    :data:`_LOOKAHEAD`) with the same target and source line that ``pairs`` with it."""
-    ops = [n for n in sym.nodes if n.op == "call_function" and not _is_sym_op(n)]
+    """kept node -> its twin in the symbolic trace: the first op node after the previous twin
+    with the same target and source line that ``pairs`` with it (the kept graph lacks what
+    its passes removed: no-op casts, a folded mask subgraph; so the trace is searched per
+    (target, source line), in order, not step by step)."""
+    by_key: dict[tuple, list[tuple[int, fx.Node]]] = {}
+    for pos, n in enumerate(n for n in sym.nodes if n.op == "call_function" and not _is_sym_op(n)):
+        by_key.setdefault((n.target, n.meta.get("stack_trace")), []).append((pos, n))
     out: dict[fx.Node, fx.Node] = {}
-    j = 0
+    last = -1
     for node in kept.nodes:
         if node.op != "call_function":
             continue
-        for k in range(j, min(j + _LOOKAHEAD, len(ops))):
-            twin = ops[k]
-            if (twin.target is node.target and twin.meta.get("stack_trace") == node.meta.get("stack_trace")
-                    and pairs(node, twin)):
+        cands = by_key.get((node.target, node.meta.get("stack_trace")), [])
+        first = bisect.bisect_right(cands, last, key=lambda c: c[0])
+        for pos, twin in cands[first:first + _TRIES]:
+            if pairs(node, twin):
                 out[node] = twin
-                j = k + 1
+                last = pos
                 break
     return out
 

@@ -42,13 +42,15 @@ def test_a_padded_batch_is_served_at_new_lengths_and_batch_sizes(family: str, pl
     assert lg.batch == 3 and len(lg.batch_inputs) == len(lg.time_inputs) == 3  # ids, labels, mask
 
 
-def test_mamba2_pads_to_its_chunk_and_is_served_from_a_symbolic_trace() -> None:
-    """transformers' Mamba-2 pads time to a multiple of its chunk and splits it into chunks,
-    sizes its time facts cannot follow: at the second length the graph captured at the first is
-    traced with symbolic sizes, and serves every length and batch size its guards allow without
-    a capture. A length that is a multiple of the chunk breaks the model's own ``if pad_size > 0``
-    (a guard from modeling_mamba2.py): captured again, and explain() says so."""
-    model, config = build("mamba2")
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])
+def test_mamba2_pads_to_its_chunk_and_is_served_from_a_symbolic_trace(family: str) -> None:
+    """transformers' Mamba-2 mixer pads time to a multiple of its chunk and splits it into
+    chunks, sizes its time facts cannot follow: at the second length the graph captured at the
+    first is traced with symbolic sizes, and serves every length and batch size its guards allow
+    without a capture (Bamba: attention layers too, whose mask subgraph the kept graph folded
+    away). A length that is a multiple of the chunk breaks the model's own ``if pad_size > 0``
+    (a guard from modeling_<family>.py): captured again, and explain() says so."""
+    model, config = build(family)
     ref = copy.deepcopy(model)
     cm = gs.compile(model, plan="none")
     for B, T in [(2, 40), (2, 57), (3, 45), (2, 64)]:
@@ -62,4 +64,4 @@ def test_mamba2_pads_to_its_chunk_and_is_served_from_a_symbolic_trace() -> None:
         if T in (57, 45):
             assert cm.current.extras.get("respecialized_from") == 40 and "captured again" not in text, text
             assert "from a capture with symbolic sizes at T=57, batch 2" in text, text
-    assert "captured again" in text and "modeling_mamba2.py" in text and "is false at T=64, batch 2" in text, text
+    assert "captured again" in text and f"modeling_{family}.py" in text and "is false at T=64, batch 2" in text, text
