@@ -589,6 +589,20 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     return gm
 
 
+def _contiguous_alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape with contiguous strides, over ``t``'s storage where it is large enough
+    (no copy: only its metadata is read), else a contiguous copy."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    try:
+        return t.detach().as_strided(t.shape, tuple(reversed(strides)), t.storage_offset()).requires_grad_(
+            t.requires_grad)
+    except RuntimeError:
+        return t.detach().contiguous().requires_grad_(t.requires_grad)
+
+
 def _symbolic_example(example: list[torch.Tensor], dynamic: Mapping[int, Sequence[int]]) -> tuple[list[Any], Any]:
     """Fake copies of ``example`` in a new mode with a shape environment: the dims in
     ``dynamic`` are symbols (one per size: inputs of one length share it), every other size
@@ -600,6 +614,10 @@ def _symbolic_example(example: list[torch.Tensor], dynamic: Mapping[int, Sequenc
     out = []
     for i, t in enumerate(example):
         dims = set(dynamic.get(i, ()))
+        if dims and not t.is_contiguous():
+            # a slice of a longer tensor: its strides would be symbols of their own, tied to the
+            # sizes by guards no new length can be checked against; the trace reads no data
+            t = _contiguous_alias(t)
         ctx = StatelessSymbolicContext(
             dynamic_sizes=[DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(t.dim())])
         out.append(fake_mode.from_tensor(t, symbolic_context=ctx))
