@@ -1,0 +1,50 @@
+"""The bytes the Triton kernels move, counted in the interpreter (bench/bench_kernel_traffic.py):
+the scans a launch picks move their op's minimum; the counter names each kernel it counts.
+
+The counting needs the interpreter, so without TRITON_INTERPRET=1 the tests run in a child
+pytest process started with it (on a CUDA machine too)."""
+
+import pytest
+import torch
+
+from tests.interpreted import INTERPRETED, run_under_interpreter
+
+if not INTERPRETED:
+
+    def test_kernel_traffic_under_interpreter():
+        run_under_interpreter(__file__)
+
+else:
+    from gradshard.bench.bench_kernel_traffic import counting, nbytes
+    from gradshard.kernels.triton.lightning import lightning_fwd_triton
+    from gradshard.kernels.triton.scan import Tiles, scan_triton
+
+    def _scan_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        a = (torch.rand(2, 100, 48, generator=g) * 0.5 + 0.5).to(dtype)
+        return a, torch.randn(2, 100, 48, generator=g).to(dtype), torch.randn(2, 48, generator=g)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_the_one_pass_scan_moves_its_minimum(dtype: torch.dtype) -> None:
+        a, u, h0 = _scan_inputs(dtype)
+        with counting() as counts:
+            h = scan_triton(a, u, h0, tiles=Tiles(128, 32, 4, prefetch=True))
+        assert list(counts) == ["_scan_chunk_kernel"]
+        read, written = counts["_scan_chunk_kernel"]
+        assert (read, written) == (nbytes(a, u, h0), nbytes(h))  # masked tails are not counted
+
+    def test_the_look_back_scan_moves_its_minimum_and_its_tile_aggregates() -> None:
+        a, u, h0 = _scan_inputs(torch.float32)
+        with counting() as counts:
+            h = scan_triton(a, u, h0, tiles=Tiles(64, 32, 2, lookback=True))
+        read, written = counts["_scan_lookback_kernel"]
+        minimum = nbytes(a, u, h0, h)
+        assert minimum < read + written <= 1.05 * minimum
+
+    def test_the_lightning_forward_is_counted_per_kernel() -> None:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 1, 96, 16, generator=g) for _ in range(3))
+        with counting() as counts:
+            o, _ = lightning_fwd_triton(q, k, v, None, None, 32, torch.float32, torch.float32)
+        assert set(counts) == {"_chunk_outer_kernel", "_scan_chunk_kernel", "_chunk_output_kernel"}
+        assert counts["_chunk_output_kernel"][1] == nbytes(o)  # the output kernel writes o, once
