@@ -9,8 +9,8 @@ the adjoint shard: a, u, g, h0 in; grad_a, grad_u, grad_h0 out; for lightning at
 v, decay, S0 in; o, S_T out, and backward dO, dS_T in; dq, dk, dv, d(decay), dS0 out).
 
 Tiles: the ones a launch on an H100/H200 with ample programs picks (the interpreter's own tiny
-tiles would count different traffic for the chunked paths); the lightning kernels' tiles do
-not depend on the device.
+tiles would count different traffic): given to the scans, and the lightning launchers run with
+their GPU tile rules (:func:`gpu_tiles`; the chunk-state scan inside keeps the interpreter's).
 
     python bench/bench_kernel_traffic.py
 """
@@ -69,6 +69,21 @@ def nbytes(*ts: Any) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
+def gpu_tiles(launcher: Callable[..., Any]) -> Callable[..., Any]:
+    """``launcher`` choosing the lightning kernels' tiles as on a GPU (under the interpreter they
+    pick the smallest blocks, which would count a different traffic)."""
+    import gradshard.kernels.triton.lightning as lightning
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        lightning.INTERPRETED = False
+        try:
+            return launcher(*args, **kwargs)
+        finally:
+            lightning.INTERPRETED = True
+
+    return call
+
+
 def cases() -> list[tuple[str, Callable[[], Any], int]]:
     """(name, a call that launches the op's kernels, the op's minimum bytes)."""
     from gradshard.kernels.triton.adjoint import adjoint_shard_triton
@@ -106,13 +121,14 @@ def cases() -> list[tuple[str, Callable[[], Any], int]]:
         ds = torch.randn(Bh, H, d, d, generator=g)
         name = str(dt).replace("torch.", "")
         fwd_min = nbytes(q, k, v, decay, s0) + nbytes(v) + nbytes(s0)  # o in the inputs' dtype, S_T in float32
-        out.append((f"lightning forward (d=64, chunk 64), {name}",
-                    lambda q=q, k=k, v=v, decay=decay, s0=s0, dt=dt: lightning_fwd_triton(q, k, v, decay, s0, 64, dt,
-                                                                                        torch.float32),
-                    fwd_min))
+        for fused in (False, True):
+            out.append((f"lightning forward{', fused' if fused else ''} (d=64, chunk 64), {name}",
+                        lambda q=q, k=k, v=v, decay=decay, s0=s0, dt=dt, fused=fused: gpu_tiles(lightning_fwd_triton)(
+                            q, k, v, decay, s0, 64, dt, torch.float32, fused=fused),
+                        fwd_min))
         bwd_min = nbytes(q, k, v, decay, s0, do, ds) + nbytes(q, k, v) + nbytes(decay) + nbytes(s0)
         out.append((f"lightning backward (d=64, chunk 64), {name}",
-                    lambda q=q, k=k, v=v, decay=decay, s0=s0, do=do, ds=ds: lightning_bwd_triton(
+                    lambda q=q, k=k, v=v, decay=decay, s0=s0, do=do, ds=ds: gpu_tiles(lightning_bwd_triton)(
                         q, k, v, decay, s0, do, ds, 64, torch.float32),
                     bwd_min))
     return out

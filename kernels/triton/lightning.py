@@ -19,7 +19,10 @@ recurrence ``S_{c+1} = Pe_c S_c + U_c``, is itself a diagonal linear scan and ru
   a dv block's share of the decay gradient goes to its own buffer row, summed afterwards).
 
 So the GPU sees ``T / C * B * H`` programs instead of ``B * H`` walking ``T`` sequentially
-(the previous design: 16 programs on a 132-SM H100 at B=2, H=8). The price is the per-chunk
+(the previous design: 16 programs on a 132-SM H100 at B=2, H=8). Where heads and value
+blocks alone fill the GPU, the forward instead runs ``_fused_forward_kernel`` (Lightning
+Attention-2's sequential form: a program per head and value block carries the state in
+registers over the chunks, moving the op's minimum bytes; :func:`_fused_forward`). The price is the per-chunk
 states in global memory, ``T / C * dk * dv`` float32 values per head, freed when the call
 returns: the chunk scan runs in place over the increments, so the forward holds one such buffer
 and the backward two. That is ``dk * dv * 4 / C`` bytes per token and head: with the chunks
@@ -156,6 +159,46 @@ def _chunk_output_kernel(
     scores = tl.dot(q, tl.trans(k), input_precision=PREC) * m
     o = tl.dot(scores, v, input_precision=PREC) + tl.dot(q * p[:, None], s, input_precision=PREC)
     tl.store(O + b * so_b + h * so_h + t[:, None] * so_t + offs_v[None, :], o, mask=v_mask)
+
+
+@triton.jit
+def _fused_forward_kernel(
+    Q, K, V, D, S0, O, SF,
+    T, H, DK, DV, NC,
+    sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, so_b, so_h, so_t,
+    HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (batch x head, dv block) walks the chunks in order with the state in
+    registers (Lightning Attention-2's forward): ``O_c = ((Q K^T) * M) V + (P Q_c) S``, then
+    ``S <- Pe_c S + (Gam K_c)^T V_c``; q, k, v are read once, o and the final state written
+    once (``SF``), and no chunk state goes through global memory."""
+    pid_bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    b, h, offs_c, offs_k, offs_v, kmask, vmask, _, _ = _chunk_tile(pid_bh, 0, pid_v, H, T, DK, DV, BC, BK, BV)
+    smask = kmask[:, None] & vmask[None, :]
+    state = pid_bh.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if HAS_S0:
+        s = tl.load(S0 + state, mask=smask, other=0.0).to(ACC)
+    else:
+        s = tl.zeros([BK, BV], dtype=ACC)
+    q_base = b * sq_b + h * sq_h
+    v_base = b * sv_b + h * sv_h
+    d_base = b * sd_b + h * sd_h
+    for c in range(0, NC):
+        t = (c * BC + offs_c).to(tl.int64)
+        tmask = t < T
+        qk_mask = tmask[:, None] & kmask[None, :]
+        v_mask = tmask[:, None] & vmask[None, :]
+        q = _rows(Q, q_base, t, sq_t, offs_k, qk_mask, ACC)
+        k = _rows(K, q_base, t, sq_t, offs_k, qk_mask, ACC)
+        v = _rows(V, v_base, t, sv_t, offs_v, v_mask, ACC)
+        m, p, gam, pe = _decay_factors(D, d_base, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * m
+        o = tl.dot(scores, v, input_precision=PREC) + tl.dot(q * p[:, None], s, input_precision=PREC)
+        tl.store(O + b * so_b + h * so_h + t[:, None] * so_t + offs_v[None, :], o, mask=v_mask)
+        s = pe * s + tl.dot(tl.trans(k * gam[:, None]), v, input_precision=PREC)
+    tl.store(SF + state, s, mask=smask)
 
 
 @triton.jit
@@ -372,9 +415,38 @@ def _empty_sequence_state(edge: Optional[torch.Tensor], shape: tuple[int, ...], 
     return torch.zeros(shape, dtype=acc, device=device) if edge is None else edge.to(acc).clone()
 
 
+def _fused_tiles(chunk_size: int, dk: int, dv: int) -> tuple[int, int]:
+    """(chunk, dv block) of :func:`_fused_forward_kernel`: chunks of 32; the whole value head
+    up to 64, 32-wide blocks for heads wider than 64 (the ahead-of-time compile, bfloat16 with a
+    decay and a state: chunk 64 spilled 320-2184 B per thread at d=64; d=128 with 64-wide blocks
+    184-232 B; chunk 32 with these blocks none on sm_90, none on sm_80 but 56 B at d=64). A head
+    of 128 then reads q and k once per value block. The interpreter uses 16-wide blocks so tests
+    with dv > 16 cover several."""
+    bc = min(32, pow2(chunk_size))
+    if INTERPRETED:
+        return bc, 16
+    return bc, 32 if pow2(dk) > 64 else min(pow2(dv), 64)
+
+
+def _fused_forward(b: int, h: int, dk: int, dv: int, device: torch.device) -> bool:
+    """Whether the forward runs :func:`_fused_forward_kernel` (a program per head and dv block,
+    the chunks in sequence; the op's minimum traffic) rather than the chunk-parallel kernels
+    (chunks x heads programs; every chunk's state through global memory, 5.6-7.1x the minimum
+    traffic: RESULTS "Bytes moved per kernel"): when heads x dv blocks give every SM two
+    programs. Not timed on a GPU yet; never under the interpreter or on CPU tensors (the tests
+    and the ahead-of-time compile ask for it by ``fused=True``)."""
+    if INTERPRETED or device.type != "cuda":
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return b * h * triton.cdiv(dv, _fused_tiles(64, dk, dv)[1]) >= 2 * sms
+
+
 @serialized_launch
-def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.dtype, acc: torch.dtype):
-    """Forward. ``decay`` None or per step (B, H, T); returns (o in out_dtype, final state in acc)."""
+def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.dtype, acc: torch.dtype,
+                         fused: Optional[bool] = None):
+    """Forward. ``decay`` None or per step (B, H, T); returns (o in out_dtype, final state in acc).
+    ``fused``: force the sequential fused kernel (True) or the chunk-parallel ones (False);
+    None chooses (:func:`_fused_forward`). Results do not depend on it."""
     check_device(q)
     b, h, length, dk = q.shape
     dv = v.shape[-1]
@@ -384,6 +456,18 @@ def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.d
     if b * h == 0 or length == 0:
         return o, _empty_sequence_state(s0c, (b, h, dk, dv), acc, q.device)
     bc = _block_c(chunk_size, dk, q.dtype)
+    if fused if fused is not None else _fused_forward(b, h, dk, dv, q.device):
+        final = torch.empty((b, h, dk, dv), dtype=acc, device=q.device)
+        d_t, d_s = _decay_args(decay, q)
+        bc, bv = _fused_tiles(chunk_size, dk, dv)
+        _fused_forward_kernel[(b * h, triton.cdiv(dv, bv))](
+            q, k, v, d_t, s0c if s0c is not None else final, o, final, length, h, dk, dv, triton.cdiv(length, bc),
+            q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), *d_s,
+            o.stride(0), o.stride(1), o.stride(2),
+            HAS_DECAY=decay is not None, HAS_S0=s0c is not None, BC=bc, BK=pow2(dk), BV=bv,
+            ACC=tl_dtype(acc), PREC=dot_precision(q.dtype), num_warps=NUM_WARPS,
+        )
+        return o, final
     after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)
     nc = after.shape[1]
     d_t, d_s = _decay_args(decay, q)

@@ -78,7 +78,8 @@ def test_chunked_scan_records_summary_recursion_and_final_pass():
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernels_compile_fit_shared_memory_and_do_not_spill(arch):
-    """One variant per kernel at training shapes (bf16, d=128 heads: the largest tiles): each
+    """One variant per kernel at training shapes (bf16, d=128 heads: the largest tiles; the fused
+    forward with a state in): each
     compiles, fits the SM's shared memory and keeps every value in registers (no local memory)."""
     b, h, length, d = 2, 4, 4096, 128
     bf = torch.bfloat16
@@ -86,10 +87,12 @@ def test_kernels_compile_fit_shared_memory_and_do_not_spill(arch):
         scan_triton(_e(2, length, 256, 16, dtype=bf), _e(2, length, 256, 16, dtype=bf), None, reverse=True)
         adjoint_shard_triton(*(_e(2, 1024, 512, dtype=bf),) * 3, None, _e(2, 512, dtype=bf), out_dtypes=(bf,) * 3)
         lightning_fwd_triton(*(_e(b, h, length, d, dtype=bf),) * 3, _e(b, h, length), None, 64, bf, torch.float32)
+        lightning_fwd_triton(*(_e(b, h, length, d, dtype=bf),) * 3, _e(b, h, length), _e(b, h, d, d), 64, bf,
+                             torch.float32, fused=True)
         lightning_bwd_triton(*(_e(b, h, length, d, dtype=bf),) * 3, _e(b, h, length), None,
                              _e(b, h, length, d, dtype=bf), None, 64, torch.float32)
     wanted = {"_scan_chunk_kernel", "_adjoint_shard_kernel", "_chunk_outer_kernel", "_chunk_output_kernel",
-              "_chunk_grad_qk_kernel", "_chunk_grad_v_kernel", "_chunk_grad_decay_kernel"}
+              "_fused_forward_kernel", "_chunk_grad_qk_kernel", "_chunk_grad_v_kernel", "_chunk_grad_decay_kernel"}
     picked = {}
     for launch in launches:
         picked.setdefault(launch.name, launch)

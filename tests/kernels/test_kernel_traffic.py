@@ -15,7 +15,7 @@ if not INTERPRETED:
         run_under_interpreter(__file__)
 
 else:
-    from gradshard.bench.bench_kernel_traffic import counting, nbytes
+    from gradshard.bench.bench_kernel_traffic import counting, gpu_tiles, nbytes
     from gradshard.kernels.triton.lightning import lightning_fwd_triton
     from gradshard.kernels.triton.scan import Tiles, scan_triton
 
@@ -48,3 +48,13 @@ else:
             o, _ = lightning_fwd_triton(q, k, v, None, None, 32, torch.float32, torch.float32)
         assert set(counts) == {"_chunk_outer_kernel", "_scan_chunk_kernel", "_chunk_output_kernel"}
         assert counts["_chunk_output_kernel"][1] == nbytes(o)  # the output kernel writes o, once
+
+    def test_the_fused_lightning_forward_moves_its_minimum() -> None:
+        """With the GPU's tiles (one value block for a head of 48): q, k, v, the decay and S0 read
+        once, o and the final state written once."""
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 80, 48, generator=g) for _ in range(3))
+        decay, s0 = torch.rand(1, 2, 80, generator=g), torch.randn(1, 2, 48, 48, generator=g)
+        with counting() as counts:
+            o, final = gpu_tiles(lightning_fwd_triton)(q, k, v, decay, s0, 64, torch.float32, torch.float32, fused=True)
+        assert dict(counts) == {"_fused_forward_kernel": [nbytes(q, k, v, decay, s0), nbytes(o, final)]}

@@ -173,6 +173,22 @@ else:
             *_, ds0 = lightning_bwd_triton(q, k, v, d, s0, do, ds, 16, F64)
             assert torch.equal(ds0, ds)
 
+    @pytest.mark.parametrize("length, decay, with_state", [(19, "steps", True), (40, None, False), (33, "heads", True)])
+    def test_the_fused_forward_matches_the_chunk_parallel_one(length, decay, with_state):
+        """The sequential fused forward (state in registers) against the torch reference, with
+        dk=18 / dv=20 so its grid spans several dv blocks, and ragged last chunks."""
+        g = torch.Generator().manual_seed(5)
+        q, k = (torch.randn(2, 2, length, 18, generator=g, dtype=F64).to(DEV) for _ in range(2))
+        v = torch.randn(2, 2, length, 20, generator=g, dtype=F64).to(DEV)
+        s0 = torch.randn(2, 2, 18, 20, generator=g, dtype=F64).to(DEV) if with_state else None
+        d = {"steps": 0.3 + 0.7 * torch.rand(2, 2, length, generator=g, dtype=F64),
+             "heads": (0.5 + 0.4 * torch.rand(2, generator=g, dtype=F64))[None, :, None].expand(2, 2, length),
+             None: None}[decay]
+        d = None if d is None else d.to(DEV)
+        got = lightning_fwd_triton(q, k, v, d, s0, 16, F64, F64, fused=True)
+        ref = lightning_fwd_torch(q, k, v, d, s0, 16, F64)
+        assert all(x.shape == y.shape and rel(x, y) <= tol(F64) for x, y in zip(got, ref))
+
     def test_lightning_op_autograd_on_triton_backend():
         q, k, v, d, s0, do, ds = lightning_inputs(2, 21, "steps")
         d = d.clone()
