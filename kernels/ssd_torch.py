@@ -40,26 +40,34 @@ def segsum(z: Tensor) -> Tensor:
     return sums.masked_fill(~torch.ones(q, q, dtype=torch.bool, device=z.device).tril(), float("-inf"))
 
 
-def ssd_chunk_scan(z: Tensor, x: Tensor, B: Tensor, C: Tensor, h0: Optional[Tensor], chunk: int) -> tuple[Tensor, Tensor]:
+def ssd_chunk_scan(z: Tensor, x: Tensor, B: Tensor, C: Tensor, h0: Optional[Tensor], chunk: int,
+                   C2: Optional[Tensor] = None) -> tuple[Tensor, ...]:
     """``(y, h_T)`` for ``z`` (b, T, H), ``x`` (b, T, H, P), ``B``, ``C`` (b, T, H, N) and the initial
     state ``h0`` (b, H, P, N) or None (zero). Computed in the inputs' accumulation dtype
     (float32 for half types); ``T`` need not be a multiple of ``chunk`` (padded with steps that
-    neither decay nor add)."""
+    neither decay nor add). ``C2`` (like ``C``): a second readout ``y2_t = h_t C2_t`` of the same
+    states, returned third (the decay matrices and block states are shared)."""
     acc = accumulation_dtype(torch.promote_types(torch.promote_types(x.dtype, B.dtype), C.dtype))
     b, length, heads, p = x.shape
     n_blocks = max(1, -(-length // chunk))
     pad = n_blocks * chunk - length
-    z, x, B, C = (t.to(acc) for t in (z, x, B, C))
+    queries = [C] if C2 is None else [C, C2]
+    z, x, B, *queries = (t.to(acc) for t in (z, x, B, *queries))
     if pad:
-        z, x, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (z, x, B, C))
+        z, x, B, *queries = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (z, x, B, *queries))
     zc = z.reshape(b, n_blocks, chunk, heads).permute(0, 3, 1, 2)  # (b, H, blocks, Q)
-    xc, Bc, Cc = (t.reshape(b, n_blocks, chunk, heads, -1) for t in (x, B, C))
+    xc, Bc = (t.reshape(b, n_blocks, chunk, heads, -1) for t in (x, B))
     cs = zc.cumsum(-1)
-    within = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, torch.exp(segsum(zc)), xc)
+    decays = torch.exp(segsum(zc))
     added = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bc, torch.exp(cs[..., -1:] - cs), xc)
     first = added.new_zeros((b, 1, heads, p, added.shape[-1])) if h0 is None else h0.to(acc)[:, None]
     carried = torch.einsum("bhzc,bchpn->bzhpn", torch.exp(segsum(F.pad(cs[..., -1], (1, 0)))),
                            torch.cat([first, added], 1))
     entering, final = carried[:, :-1], carried[:, -1]
-    y = within + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, entering, torch.exp(cs))
-    return y.reshape(b, n_blocks * chunk, heads, p)[:, :length], final
+    ys = []
+    for q in queries:
+        Cc = q.reshape(b, n_blocks, chunk, heads, -1)
+        within = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", Cc, Bc, decays, xc)
+        y = within + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, entering, torch.exp(cs))
+        ys.append(y.reshape(b, n_blocks * chunk, heads, p)[:, :length])
+    return (ys[0], final) if C2 is None else (ys[0], final, ys[1])

@@ -143,7 +143,7 @@ register_rule(PlanRule(
     granularity=lambda o: _opt(o, "shard_size", 1)))
 register_rule(PlanRule(
     "truncated_adjoint", "adjoint + the window buffer, as probed (calls longer than the window; a call the "
-    "window covers runs the exact adjoint, chunked where a region has the block form: priced as a longer one)",
+    "window covers runs the exact adjoint, without the window's buffers or correction: priced as a longer one)",
     granularity=lambda o: _lcm(_opt(o, "shard_size", 1), min(_opt(o, "window", 1), _opt(o, "shard_size", 1))),
     probe_above=lambda o: _opt(o, "window", 0)))
 #: The chunk planner's dry run evaluates at most this many chunks (first three, middle, last two).

@@ -107,22 +107,29 @@ def decay_per_head(t: Tensor, like: Tensor, state_dims: int = 0) -> Tensor:
 
 def block_scan(decay: Optional[Tensor], log_decay: bool, values: Tensor, keys: Tensor, query: Tensor,
                state: Optional[Tensor], contracted: int, chunk: int,
-               backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+               backend: Optional[str] = None, query2: Optional[Tensor] = None) -> tuple[Tensor, ...]:
     """``(y, h_end)`` of ``h_t = a_t h_{t-1} + outer(v_t, k_t)``, ``y_t = h_t q_t`` in block form.
 
     ``values`` (b, n, H, dv), ``keys`` and ``query`` (b, n, H, dk); ``decay`` per (b, n, H): the
     log-decay ``z`` (``log_decay``: SSD's block form, :func:`gradshard.kernels.ssd_torch.ssd_chunk_scan`)
     or ``a`` itself (this op; None: no decay). ``state`` and ``h_end`` are in the scan's layout:
-    ``(b, H, dv, dk)`` when ``contracted`` is -1 (SSD's ``h (P, N)``), ``(b, H, dk, dv)`` when -2."""
+    ``(b, H, dv, dk)`` when ``contracted`` is -1 (SSD's ``h (P, N)``), ``(b, H, dk, dv)`` when -2.
+    ``query2`` (like ``query``): a second readout ``y2_t = h_t query2_t``, returned third (SSD's
+    form shares its block states; the op runs twice)."""
     flip = lambda h: None if h is None else h.transpose(-1, -2)  # noqa: E731
     if log_decay:  # SSD's function keeps (values, keys)
-        y, h_end = ssd_chunk_scan(decay, values, keys, query, state if contracted == -1 else flip(state), chunk)
-        return y, h_end if contracted == -1 else flip(h_end)
+        y, h_end, *y2 = ssd_chunk_scan(decay, values, keys, query, state if contracted == -1 else flip(state), chunk,
+                                       query2)
+        return (y, h_end if contracted == -1 else flip(h_end), *y2)
     heads_first = lambda t: t.transpose(1, 2)  # noqa: E731 - (b, n, H, d) -> (b, H, n, d); the op keeps (keys, values)
-    y, h_end = _lightning_op(heads_first(query), heads_first(keys), heads_first(values),
-                             None if decay is None else heads_first(decay).contiguous(),
-                             flip(state) if contracted == -1 else state, chunk, backend)
-    return heads_first(y), flip(h_end) if contracted == -1 else h_end
+    d = None if decay is None else heads_first(decay).contiguous()
+    s0 = flip(state) if contracted == -1 else state
+    y, h_end = _lightning_op(heads_first(query), heads_first(keys), heads_first(values), d, s0, chunk, backend)
+    out = (heads_first(y), flip(h_end) if contracted == -1 else h_end)
+    if query2 is None:
+        return out
+    y2, _ = _lightning_op(heads_first(query2), heads_first(keys), heads_first(values), d, s0, chunk, backend)
+    return (*out, heads_first(y2))
 
 
 # --------------------------------------------------------------------------- FLOPs (FlopCounterMode)

@@ -98,48 +98,64 @@ def test_per_step_form_on_request_forms_states_and_agrees():
     assert watch.most_steps >= 8  # a shard's per-step states
 
 
-class _TruncatedSsdNet(SsdNet):
-    """An SsdNet whose scans recompute every ``h_t`` from a detached ``h_{t-W}`` (the windowed
-    gradient's reference semantics); same parameters and names."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        original = gs.kernels.linear_scan
-        gs.kernels.linear_scan = lambda a, u, h0=None, **_: self.window_scan(a, u, h0)
-        try:
-            return super().forward(x)
-        finally:
-            gs.kernels.linear_scan = original
-
-
-def _truncated_reference(model: SsdNet, window: int) -> SsdNet:
+def _truncated_reference(model: torch.nn.Module, window: int) -> torch.nn.Module:
+    """A copy of ``model`` whose scans recompute every ``h_t`` from a detached ``h_{t-W}`` (the
+    windowed gradient's reference semantics); same parameters and names."""
     ref = copy.deepcopy(model)
-    ref.__class__ = _TruncatedSsdNet
-    ref.window_scan = truncated_scan_reference(window)
+    base, scan = type(model), truncated_scan_reference(window)
+
+    class Windowed(base):
+        def forward(self, *args):
+            original = gs.kernels.linear_scan
+            gs.kernels.linear_scan = lambda a, u, h0=None, **_: scan(a, u, h0)
+            try:
+                return base.forward(self, *args)
+            finally:
+                gs.kernels.linear_scan = original
+
+    ref.__class__ = Windowed
     return ref
 
 
-def test_truncated_adjoint_runs_chunked_where_its_window_covers_the_call():
-    """window >= T is the exact adjoint: chunked shards, no per-step states; a shorter window
-    truncates the per-step lam: that call runs per-step shards, equal to the windowed reference."""
+@pytest.mark.parametrize("decay", ["exp", "sigmoid"])  # SSD's block form; the lightning op
+def test_truncated_adjoint_runs_chunked_shards_at_every_length(decay):
+    """window >= T is the exact adjoint; a shorter window is the exact VJP of the block form with a
+    second readout of the states (ChunkedTruncation): equal to the windowed reference (every h_t
+    from a detached h_{t-W}) on odd lengths, windows that do not divide T, shards longer than the
+    window (cut to it) and shorter ones, never forming a shard's per-step states."""
     torch.manual_seed(2)
-    model = SsdNet().double()
+    model = SsdNet(decay=decay).double()
     x = torch.randn(1, 21, 6, dtype=F64)
     cm = assert_same_grads(model, (x,), plan="truncated_adjoint", shard_size=8, window=64)
     regions = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
-    assert regions and all(r.chunked is not None and r.chunked_at(21) and not r.chunked_at(65) for r in regions)
-    assert "on calls with T <= window (64)" in cm.explain()
-    watch = StateWatch((3, 4, 5))
-    with watch:
-        cm(x.requires_grad_()).square().sum().backward()
-    assert 0 < watch.most_steps <= 2
-    torch.manual_seed(5)
-    model = SsdNet().double()
-    ref = _truncated_reference(model, 6)
-    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=ref, shard_size=8, window=6)
-    watch = StateWatch((3, 4, 5))
-    with watch:
-        cm(x.requires_grad_()).square().sum().backward()
-    assert watch.most_steps >= 8  # a shard's per-step states
+    assert regions and all(r.chunked is not None and r.chunked_at(65) for r in regions)
+    assert "second readout" in cm.explain()
+    for T, window, shard in [(21, 6, 8), (37, 10, 4), (33, 13, 16)]:
+        torch.manual_seed(5)
+        model = SsdNet(decay=decay).double()
+        x = torch.randn(2, T, 6, dtype=F64)
+        cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=_truncated_reference(model, window),
+                               shard_size=shard, window=window)
+        (region, *_) = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
+        assert max(e - s for s, e in region.shards(T)) == min(shard, window)
+        watch = StateWatch((3, 4, 5))
+        with watch:
+            cm(x.requires_grad_()).square().sum().backward()
+        assert 0 < watch.most_steps <= 2, (T, window, shard)
+
+
+@pytest.mark.parametrize("decay, layout", [("exp", "pn"), ("const", "kv"), ("sigmoid", "kv")])
+def test_truncated_chunked_shards_window_the_initial_and_final_states(decay, layout):
+    """A learned initial state gets the gradient of the first W steps only; the final state's
+    gradient (a full-state gradient at the last step, not a readout's) is windowed by a shard
+    boundary at T-1-W, where its correction enters."""
+    torch.manual_seed(6)
+    model = SsdLayer(decay=decay, layout=layout, learn_h0=True, final_state=True).double()
+    x = torch.randn(2, 29, 6, dtype=F64)
+    cm = assert_same_grads(model, (x,), plan="truncated_adjoint", reference=_truncated_reference(model, 9),
+                           shard_size=4, window=9)
+    (region,) = [m for m in cm.graph.modules() if hasattr(m, "chunked")]
+    assert region.chunked is not None and (29 - 9) in [e for _, e in region.shards(29)]
 
 
 def test_chunked_regions_recompute_layer_inputs_from_the_region_before():

@@ -76,8 +76,8 @@ def test_registry():
 
 
 def test_truncated_adjoint_is_probed_above_its_window():
-    """A call its window covers runs the exact adjoint (chunked shards where a region has the
-    block form), a longer one the windowed per-step form: the probes price the longer calls' form,
+    """A call its window covers runs the exact adjoint, a longer one the windowed form (its
+    buffers of the next window's steps, and on chunked shards a second readout): the probes price the longer calls' form,
     so every one runs above twice the window (past the calls that end in the second window), and
     the fit predicts a measured step there. (With a window of several shards the step's allocated
     bytes move with ``T`` mod the window: the fit is least squares, not exact.)"""

@@ -27,9 +27,9 @@ Forward: shard by shard without grad, keeping ``h_end`` as the next shard's chec
 the per-step form). Backward, right to left: the shard graph again with grad from its
 checkpoint, and one VJP with the incoming ``dL/dy`` and the carried ``dL/dh_end``; the
 initial state's gradient is the carry for the shard before. Exact; the backward holds one
-shard's block tensors, never its per-step states. The truncated adjoint windows the per-step
-adjoint state: its regions run chunked only on calls its window covers (the exact adjoint),
-per-step shards on longer ones (:meth:`~gradshard.plans.adjoint.runtime.AdjointRegion.chunked_at`).
+shard's block tensors, never its per-step states. The truncated adjoint runs the same shards
+with a second readout of the states that removes, at each step, the gradient of the step a
+window later (:class:`~gradshard.plans.adjoint.truncated.ChunkedTruncation`).
 
 :func:`match_chunked_form` recognises the form on the region's captured graphs by structure
 and shape (a product of ``x[..., None]`` and ``B[..., None, :]`` as ``u``; ``a`` broadcast over
@@ -146,7 +146,7 @@ def block_form_flops(form: ChunkedForm, batch: int, steps: int, heads: int, deca
 
 def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form: ChunkedForm, io: RegionIO,
                         start: int, steps: int, *, state_in: bool, has_h0: bool,
-                        backend: Optional[str]) -> fx.GraphModule:
+                        backend: Optional[str], truncated: Optional[str] = None) -> fx.GraphModule:
     """One shard as one graph: ``(*window inputs[, h_start]) -> (*readout outputs, h_end)``.
 
     ``producer`` runs on the window (already at its length), ``readout`` on the shard's ``steps``
@@ -154,6 +154,12 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
     ``[start, start + steps)``. The state enters as ``h_start`` (``state_in``), else as the
     producer's ``h0`` (``has_h0``), else as zero; ``h_end`` is in the region's canonical state
     layout ``(batch, heads, d1, d2)``.
+
+    ``truncated`` (the truncated adjoint's backward, :class:`~gradshard.plans.adjoint.truncated.ChunkedTruncation`):
+    ``"keep"`` adds the input ``probe`` (zeros added to the contraction's output, so that its
+    gradient is the output's) and the outputs ``query`` and ``a`` (per head and step; None without
+    a decay), detached; ``"correct"`` also the input ``query_next`` and the output ``y2``, the same
+    states read by it (:func:`block_scan`'s second readout).
     """
     g = fx.Graph()
     attrs: dict[str, Any] = {}
@@ -177,6 +183,8 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
         if n.op == "placeholder":
             copy_p(n)
     h_start = g.placeholder("h_start") if state_in else None
+    probe = g.placeholder("probe") if truncated else None
+    query_next = g.placeholder("query_next") if truncated == "correct" else None
     for n in producer.graph.nodes:
         if n.op not in ("placeholder", "output"):
             copy_p(n)
@@ -196,6 +204,8 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
     values, keys = (left, right) if form.contracted == -1 else (right, left)
     state = h_start if h_start is not None else penv[vals[2]] if has_h0 else None  # (b, H, d1, d2) or zero
 
+    extra: list[Any] = []  # the truncated adjoint's outputs
+
     def emit(query: fx.Node) -> tuple[fx.Node, fx.Node]:
         """``(y, h_end)`` of the shard's steps: ``y`` (b, steps, H, values) as the contraction's."""
         decay = None
@@ -204,8 +214,14 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
         elif vals[0] is not None:
             decay = call(decay_per_head, trimmed(vals[0], a_dim), values, 2)
         res = g.call_function(block_scan, (decay, form.log_decay, values, keys, query, state, form.contracted,
-                                           form.chunk, backend))
-        return call(operator.getitem, res, 0), call(operator.getitem, res, 1)
+                                           form.chunk, backend, query_next))
+        y = call(operator.getitem, res, 0)
+        if truncated:
+            a = None if decay is None else call(aten.exp.default, decay) if form.log_decay else decay
+            extra.extend([call(aten.detach.default, query), None if a is None else call(aten.detach.default, a),
+                          call(operator.getitem, res, 2) if query_next is not None else None])
+            y = call(aten.add.Tensor, y, probe)
+        return y, call(operator.getitem, res, 1)
 
     placeholders = [n for n in readout.graph.nodes if n.op == "placeholder"]
     renv: dict[fx.Node, Any] = dict(zip(placeholders[1:], rs))
@@ -216,7 +232,7 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
             continue
         if n.op == "output":
             outs = n.args[0] if isinstance(n.args[0], (tuple, list)) else [n.args[0]]
-            g.output((*[renv[o] if isinstance(o, fx.Node) else o for o in outs], h_end))
+            g.output((*[renv[o] if isinstance(o, fx.Node) else o for o in outs], h_end, *extra))
             break
         if n.target is aten.einsum.default and placeholders[0] in n.args[1]:  # the contraction: the block form
             y, h_end = emit(renv[n.args[1][form.query_arg]])

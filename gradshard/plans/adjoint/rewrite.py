@@ -143,8 +143,7 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
                         shard_size: int, window: Optional[int],
                         remats: Optional[list[InputRematPlan]] = None, chunked: bool = False) -> AdjointRegion:
     """The :class:`AdjointRegion` of ``plan`` (graphs cut from ``gm``); ``remats``: inputs to recompute;
-    ``chunked``: run its shards chunked where its graphs have that form (truncated_adjoint: on
-    calls its window covers, :meth:`AdjointRegion.chunked_at`)."""
+    ``chunked``: run its shards chunked where its graphs have that form."""
     remats = remats or []
     producer = _subgraph(gm, plan.inputs, plan.producers, plan.producer_outputs, f"{name}_producers")
     h = next(n for n in gm.graph.nodes if n.name == plan.site.h)
@@ -156,9 +155,9 @@ def build_region_module(gm: fx.GraphModule, plan: RegionPlan, facts: dict, name:
         desc += f" ({plan.extended} past the contraction, to {', '.join(x.name for x in plan.exits)})"
     form = match_chunked_form(producer, readout, plan.scan, plan.io) if chunked else None
     if form is not None:
-        # the truncated adjoint windows lam per step: only a call its window covers runs chunked
-        desc += "; " + form.describe() + (f" on calls with T <= window ({window}); per-step shards on longer ones"
-                                           if plan_name == "truncated_adjoint" else "")
+        desc += "; " + form.describe() + (
+            f"; the window ({window}) as a second readout of the states, q_(t+W) against -kappa_t dy_(t+W), "
+            "in shards of at most the window" if plan_name == "truncated_adjoint" else "")
     extra = _remat_leaves(remats)
     slot = {leaf: j for j, leaf in enumerate(extra)}
     built = []

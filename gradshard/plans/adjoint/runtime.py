@@ -58,7 +58,7 @@ from gradshard.plans.adjoint.chunked import ChunkedForm, chunked_shard_graph
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from gradshard.plans.adjoint.scan import recurrence_for
-from gradshard.plans.adjoint.truncated import TruncatedSweep
+from gradshard.plans.adjoint.truncated import ChunkedTruncation, TruncatedSweep
 
 __all__ = ["InputRemat", "ChainedInput", "AdjointRegion", "AdjointFunction"]
 
@@ -177,19 +177,21 @@ class AdjointRegion(LengthCache, nn.Module):
             self._cache[key] = g
         return g
 
-    def shard_on(self, length: int, start: int, steps: int, state_in: bool) -> Any:
+    def shard_on(self, length: int, start: int, steps: int, state_in: bool, truncated: Optional[str] = None) -> Any:
         """What runs a chunked shard (:func:`chunked_shard_graph`) on a ``length``-step window, its
-        steps ``[start, start + steps)``; ``state_in``: the state enters as the last input."""
-        key = ("shard", length, start, steps, state_in)
+        steps ``[start, start + steps)``; ``state_in``: the state enters after the window's inputs;
+        ``truncated``: the truncated adjoint's form of it (``"keep"`` or ``"correct"``)."""
+        key = ("shard", length, start, steps, state_in) + ((truncated,) if truncated else ())
         return self.graphs.get(key, lambda: self._chunked_shard(key))
 
     def _chunked_shard(self, key: tuple) -> fx.GraphModule:
         g = self._cache.get(key)
         if g is None:
-            _, length, start, steps, state_in = key
+            _, length, start, steps, state_in, *truncated = key
             g = chunked_shard_graph(self._at_length(self.producer, length), self._at_length(self.readout, steps),
                                     self.chunked, self.io, start, steps, state_in=state_in,
-                                    has_h0=self.scan.has_h0, backend=self.kernel_backend)
+                                    has_h0=self.scan.has_h0, backend=self.kernel_backend,
+                                    truncated=truncated[0] if truncated else None)
             self._cache[key] = g
         return g
 
@@ -222,7 +224,16 @@ class AdjointRegion(LengthCache, nn.Module):
         return time_length(inputs, self.io.input_time_dims, f"{self.region_name}: no region input")
 
     def shards(self, T: int) -> list[tuple[int, int]]:
-        return shard_bounds(T, self.shard_size)
+        """Shard bounds; a chunked region's truncated shards are at most the window long
+        (:class:`~gradshard.plans.adjoint.truncated.ChunkedTruncation` reads the next window's steps
+        from the shards right of one)."""
+        size = self.shard_size
+        if self.chunked is not None and self.plan == "truncated_adjoint":
+            size = min(size, self.window)
+            if self.io.final_state and self.window < T:  # a shard ends at T-1-W: the final state's correction
+                cut = T - self.window
+                return shard_bounds(cut, size) + [(cut + s, cut + e) for s, e in shard_bounds(self.window, size)]
+        return shard_bounds(T, size)
 
     def window_of(self, s: int, e: int, T: int) -> tuple[int, int]:
         lh, rh = self.io.halo
@@ -272,9 +283,9 @@ class AdjointRegion(LengthCache, nn.Module):
         return [narrow(x, d, ws, we - ws) for x, d in zip(inputs, self.io.input_time_dims)], we - ws, s - ws
 
     def chunked_at(self, T: int) -> bool:
-        """Whether a ``T``-step call runs chunked shards: always where the region has the form,
-        under the truncated adjoint only when its window covers the call (the exact adjoint)."""
-        return self.chunked is not None and (self.plan != "truncated_adjoint" or self.window >= T)
+        """Whether a ``T``-step call runs chunked shards: wherever the region has the form (under the
+        truncated adjoint too: :class:`~gradshard.plans.adjoint.truncated.ChunkedTruncation`)."""
+        return self.chunked is not None
 
     def run_shard(self, win: Sequence[Tensor], length: int, start: int, steps: int,
                   h: Optional[Tensor], chunked: bool) -> tuple[list[Tensor], Tensor]:
@@ -484,8 +495,12 @@ class AdjointFunction(torch.autograd.Function):
         shards = region.shards(T)
         carry: Optional[Tensor] = None
         chunked = region.chunked_at(T)
-        # the windowed lam of per-step shards (a chunked call is the exact adjoint)
-        sweep = TruncatedSweep(sp.kind, region.window, T) if region.plan == "truncated_adjoint" and not chunked else None
+        # the windowed lam: of per-step shards, or the corrected gradients of chunked ones (none needed
+        # where the window covers the call: the exact adjoint)
+        truncating = region.plan == "truncated_adjoint" and region.window < T
+        sweep = TruncatedSweep(sp.kind, region.window, T) if truncating and not chunked else None
+        window = ChunkedTruncation(region.window, T) if truncating and chunked else None
+        window_final = d_final if window is not None and d_final is not None else None
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             ws, we = region.window_of(s, e, T)
@@ -498,8 +513,12 @@ class AdjointFunction(torch.autograd.Function):
                     leaves.append(w.requires_grad_(bool(needs[i])) if w.dtype.is_floating_point else w)
             last = k == len(shards) - 1
             if chunked:
+                d_end = d_final if last else carry
+                if window_final is not None and e == T - region.window:
+                    fix = window.final_correction(state_canon(window_final, sp.rank))
+                    d_end = fix if d_end is None else state_canon(d_end, sp.rank).to(fix.dtype) + fix
                 shard_grads, carry = _chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
-                                                          ws, we, d_final if last else carry)
+                                                          ws, we, d_end, window, stack)
             else:
                 shard_grads, carry = _adjoint_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
                                                           ws, we, carry, d_final if last else None, sweep)
@@ -570,24 +589,45 @@ def _adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequen
 
 def _chunked_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
                          dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int,
-                         d_end: Optional[Tensor]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+                         d_end: Optional[Tensor], window: Optional[ChunkedTruncation] = None,
+                         stack: Optional[Tensor] = None) -> tuple[dict[int, Tensor], Optional[Tensor]]:
     """Shard ``[s, e)`` run chunked (:mod:`gradshard.plans.adjoint.chunked`): its graph again from
     its checkpoint ``ckpt`` with grad, one VJP with ``dL/dy`` and ``d_end`` (``dL/dh`` at the shard's
     end: the later shard's carry or the final state's gradient); returns the inputs' gradients and
-    ``dL/dh`` at the shard's start."""
+    ``dL/dh`` at the shard's start. ``window``: the truncated adjoint's correction (its shards have
+    state checkpoints ``stack``, canonical: their shape gives the contraction output's)."""
     io = region.io
     h_in = None if ckpt is None else ckpt.detach().requires_grad_(True)
+    extra: list[Tensor] = []
+    mode = None
+    if window is not None:
+        mode = "correct" if window.corrects(s) else "keep"
+        state = stack[0]
+        dv = state.shape[2] if region.chunked.contracted == -1 else state.shape[3]
+        probe = torch.zeros(state.shape[0], e - s, state.shape[1], dv, dtype=state.dtype, device=state.device,
+                            requires_grad=True)
+        extra.append(probe)
+        if mode == "correct":
+            extra.append(window.query_next(s, e))
     with torch.enable_grad():
-        outs = region.shard_on(we - ws, s - ws, e - s, h_in is not None)(*leaves, *([] if h_in is None else [h_in]))
+        outs = region.shard_on(we - ws, s - ws, e - s, h_in is not None, mode)(
+            *leaves, *([] if h_in is None else [h_in]), *extra)
+    if window is not None:
+        *outs, query, a, y2 = outs
     *ys, h_end = outs
     pairs = [(y, narrow(dy, td, s, e - s)) for y, dy, td in zip(ys, dys, io.output_time_dims)
              if dy is not None and y.requires_grad]
     if d_end is not None and h_end.requires_grad:
         pairs.append((h_end, state_canon(d_end, region.scan.rank).to(h_end.dtype)))
+    if mode == "correct" and y2.requires_grad:
+        pairs.append((y2, window.y2_cotangent(s, e, a).to(y2.dtype)))
     targets = [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.requires_grad]
-    wrt = [leaves[i] for i in targets] + ([h_in] if h_in is not None else [])
+    wrt = [leaves[i] for i in targets] + ([h_in] if h_in is not None else []) + extra[:1]
     if not pairs or not wrt:
         return {}, None
-    got = torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    got = list(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+    if window is not None:
+        d_probe = got.pop()
+        window.keep(s, query, a, torch.zeros_like(extra[0]) if d_probe is None else d_probe)
     grads = {i: g for i, g in zip(targets, got) if g is not None}
     return grads, (got[-1] if h_in is not None else None)

@@ -324,3 +324,99 @@ def truncated_lambda(a: Optional[Tensor], g: Tensor, window: int, *, kind: str =
         a_s = None if a is None else (a if a.shape[1] == 1 else a[:, s:e])
         out[:, s:e] = sweep.shard(s, a_s, g[:, s:e])
     return out
+
+
+class ChunkedTruncation:
+    """The truncated adjoint of a chunked region (:mod:`gradshard.plans.adjoint.chunked`), whose
+    shards are block-form graphs differentiated by autograd, never per-step states.
+
+    With ``g_t`` the gradient reaching ``h_t`` from the readout and ``kappa_i = prod_{j=i+1}^{i+W} a_j``,
+    the windowed ``lam_i`` is the exact adjoint of the direct gradients ``g_i - kappa_i g_{i+W}``::
+
+        sum_{t>=i} (prod_{j=i+1}^{t} a_j) (g_t - kappa_t g_{t+W})
+            = sum_{t>=i} (prod a) g_t - sum_{t>=i+W} (prod a) g_t = lam_i
+
+    (``prod_{j=i+1}^{t} a_j kappa_t = prod_{j=i+1}^{t+W} a_j``). The readout is a contraction
+    ``y_t = h_t q_t``, so ``g_t = outer(dy_t, q_t)``, and the correction is a second readout of the
+    same states, ``y2_i = h_i q_{i+W}`` with cotangent ``-kappa_i dy_{i+W}``: the shard's one VJP
+    (``chunked_shard_graph(truncated="correct")``) gives every input's windowed gradient, ``a``'s
+    as ``lam_i h_{i-1}`` with the exact states. ``dy`` (the contraction output's gradient, read off
+    a zero ``probe``), ``q`` and ``a`` of the ``W`` steps after a shard come from the shards right of
+    it: shards must be at most ``W`` long and come right to left. Per step that keeps ``W`` query,
+    value and decay vectors, never a state.
+
+    The carry ``dL/dh`` between shards is the exact adjoint's of the corrected gradients: where
+    the decays are near 1 over many windows it is a difference of sums growing with ``T``, with
+    that rounding (as the exact adjoint's own sums).
+    """
+
+    def __init__(self, window: int, length: int) -> None:
+        if window < 1:
+            raise ValueError(f"truncated adjoint: window must be >= 1, got {window}")
+        self.W, self.T = int(window), int(length)
+        self._next = self.T
+        self._kept: list[tuple[int, Tensor, Optional[Tensor], Tensor]] = []  # (start, q, a, dy), increasing
+
+    def corrects(self, s: int) -> bool:
+        """Whether shard ``[s, ...)`` has steps whose window ends before ``T`` (else: the exact VJP)."""
+        return s + self.W < self.T
+
+    def _gather(self, which: int, lo: int, hi: int, fill: float, like: Tensor) -> Tensor:
+        """Steps ``[lo, hi)`` of kept field ``which`` (1: q, 2: a, 3: dy), ``fill`` past ``T``."""
+        parts = []
+        at = lo
+        for start, *fields in self._kept:
+            t = fields[which - 1]
+            n = t.shape[1]
+            if start <= at < start + n and at < hi:
+                b = min(hi, start + n)
+                parts.append(t[:, at - start:b - start])
+                at = b
+        if at < min(hi, self.T):
+            raise RuntimeError(f"truncated adjoint: steps [{at}, {min(hi, self.T)}) of the next window are missing; "
+                               "chunked shards must come right to left, each at most the window long")
+        if at < hi:
+            parts.append(like.new_full((like.shape[0], hi - at, *like.shape[2:]), fill))
+        return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+    def query_next(self, s: int, e: int) -> Tensor:
+        """``q`` at steps ``[s + W, e + W)`` (zero past ``T``)."""
+        return self._gather(1, s + self.W, e + self.W, 0.0, self._kept[0][1])
+
+    def y2_cotangent(self, s: int, e: int, a: Optional[Tensor]) -> Tensor:
+        """``-kappa_i dy_{i+W}`` for ``i`` in ``[s, e)``; ``a`` the shard's decays per head (None: 1)."""
+        W, L = self.W, e - s
+        dy = self._gather(3, s + W, e + W, 0.0, self._kept[0][3])
+        if a is None:
+            return -dy
+        # kappa_i over [i+1, i+W]: a suffix product over [s+1, s+W] times a prefix over [s+W+1, i+W]
+        # (no division: a decay may be 0); L <= W, so every window spans those two pieces
+        acc = accumulation_dtype(a.dtype)
+        first = torch.cat([a[:, 1:], self._gather(2, e, s + W + 1, 1.0, a)], 1).to(acc)
+        suffix = first.flip(1).cumprod(1).flip(1)[:, :L]
+        kappa = suffix.clone()
+        if L > 1:
+            kappa[:, 1:] *= self._gather(2, s + W + 1, e + W, 1.0, a).to(acc).cumprod(1)
+        return -(kappa[..., None] * dy.to(acc)).to(dy.dtype)
+
+    def final_correction(self, d_final: Tensor) -> Tensor:
+        """``-kappa_{T-1-W} dL/dh_{T-1}``: the final state's gradient (canonical, (b, H, d1, d2)) is a
+        full-state direct gradient at the last step, so its correction enters as ``dL/dh`` at step
+        ``T-1-W``, the end of a shard (:meth:`~gradshard.plans.adjoint.runtime.AdjointRegion.shards`)."""
+        if self._kept[0][2] is None:  # no decay
+            return -d_final
+        a = self._gather(2, self.T - self.W, self.T, 1.0, self._kept[0][2])
+        kappa = a.to(accumulation_dtype(a.dtype)).prod(1)
+        return -(kappa[..., None, None] * d_final).to(d_final.dtype)
+
+    def keep(self, s: int, q: Tensor, a: Optional[Tensor], dy: Tensor) -> None:
+        """Record shard ``[s, s + L)``'s queries, decays and contraction gradients for the shards left
+        of it, dropping steps no later shard reads (from ``s + W`` on)."""
+        L = q.shape[1]
+        if s + L != self._next or L > self.W:
+            raise RuntimeError(f"truncated adjoint: chunked shard [{s}, {s + L}) must end where the previous one "
+                               f"began ({self._next}) and be at most the window ({self.W}) long")
+        stop = s + self.W
+        self._kept = [(p, q_[:, :stop - p], None if a_ is None else a_[:, :stop - p], d_[:, :stop - p])
+                      for p, q_, a_, d_ in [(s, q, a, dy), *self._kept] if p < stop]
+        self._next = s
