@@ -340,6 +340,8 @@ class AdjointRegion(LengthCache, nn.Module):
         out = [fwd]
         per_step = lambda key: c.get(key, 0) / max(T, 1)  # noqa: E731
         if chunked:  # one graph per shard, run again with grad: one VJP, no per-step states
+            windowed = (f"; the window's second readout (W={self.window})"
+                        if self.plan == "truncated_adjoint" and self.window < T else "")
             for k in range(len(shards) - 1, -1, -1):
                 s, e = shards[k]
                 ws, we = self.window_of(s, e, T)
@@ -350,7 +352,8 @@ class AdjointRegion(LengthCache, nn.Module):
                                            + (readout_flops + c.get("block_flops", 0) + c.get("block_bwd_flops", 0))
                                            * S / max(T, 1)),
                                  kernel=kernel, note=f"steps [{ws}, {we}) -> shard [{s}, {e}) in blocks of "
-                                                     f"{self.chunked.chunk}, from its checkpoint; carries dL/dh"))
+                                                     f"{self.chunked.chunk}, from its checkpoint; carries dL/dh"
+                                                     + windowed))
             return out
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
