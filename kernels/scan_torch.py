@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from .backend import accumulation_dtype
+from .scan_cpu import scan_cpu
 
 
 def choose_chunk(length: int) -> int:
@@ -111,18 +112,25 @@ def scan_torch(
     reverse: bool = False,
     chunk: Optional[int] = None,
     out_dtype: Optional[torch.dtype] = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
-    """Chunked exact scan. ``a`` broadcasts to ``u`` (same ndim), ``h0`` is (batch, *state).
+    """Exact scan. ``a`` broadcasts to ``u`` (same ndim), ``h0`` is (batch, *state).
 
     Forward: ``h_t = a_t h_{t-1} + u_t``; reverse: ``h_t = a_t h_{t+1} + u_t``. Accumulates in
     float32 for half inputs (float64 for float64) and returns ``h`` shaped like ``u`` in
     ``out_dtype`` (default: the accumulation dtype).
 
-    Every sequential step is one ``addcmul`` written in place (the per-step slices come from one
-    ``unbind``), so the Python cost is about one dispatch per step.
+    On CPU tensors (``compiled``, no ``chunk`` forced) one compiled C++ loop
+    (:mod:`gradshard.kernels.scan_cpu`) when it builds here; else the chunked torch ops (module
+    doc), where every sequential step is one ``addcmul`` written in place (the per-step slices
+    come from one ``unbind``), so the Python cost is about one dispatch per step.
     """
     acc = accumulation_dtype(torch.promote_types(a.dtype, u.dtype))
     out_dtype = acc if out_dtype is None else out_dtype
+    if compiled and chunk is None:
+        out = scan_cpu(a, u, h0, reverse, out_dtype, acc)
+        if out is not None:
+            return out
     batch, length, state = u.shape[0], u.shape[1], tuple(u.shape[2:])
     out = torch.empty(u.shape, dtype=out_dtype, device=u.device)
     h = torch.zeros((batch, *state), dtype=acc, device=u.device)
