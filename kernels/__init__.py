@@ -9,7 +9,8 @@
 
 Every kernel has a torch reference backend (any device) and Triton kernels
 (:mod:`gradshard.kernels.triton`; CUDA, or CPU under ``TRITON_INTERPRET=1``), chosen by
-:func:`select_backend`. The front doors here validate their arguments and call the custom
+:func:`select_backend`. On CPU the torch backend's diagonal scan is one compiled C++ loop
+(:mod:`gradshard.kernels.scan_cpu`) where Inductor's C++ toolchain builds it. The front doors here validate their arguments and call the custom
 ops under ``torch.ops.gradshard``; the ops themselves (fake, VJP, analysis rules) are defined
 in :mod:`gradshard.ops`, which binds them to the implementations here. ``import gradshard``
 defines them before anything can call a front door.
