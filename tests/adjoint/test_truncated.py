@@ -154,3 +154,34 @@ def test_property_model_over_T_W_shard(T, W, shard):
     model, ref = _pair(W, h0=True)
     x = torch.randn(2, T, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(T * 31 + W))
     assert_same_grads(model, (x,), plan="truncated_adjoint", reference=ref, window=W, shard_size=shard)
+
+
+@pytest.mark.parametrize("shard", [1, 3, 5])
+def test_chunked_window_products_with_zeros_and_signs(shard):
+    """ChunkedTruncation's kappa_i = prod_{j=i+1}^{i+W} a_j from suffix sums of log|a|, zeros and
+    signs (O(shard) per shard for any W): equal to the products, zero where a window holds a zero,
+    negative where it holds an odd count of negative decays; the final state's factor too."""
+    from gradshard.plans.adjoint.truncated import ChunkedTruncation
+
+    T, W = 23, 5
+    g = torch.Generator().manual_seed(shard)
+    a = torch.rand(2, T, 3, generator=g, dtype=torch.float64) * 2 - 1
+    a[:, 7, 1] = 0.0
+    q, dy = torch.randn(2, T, 3, 4, generator=g, dtype=torch.float64), torch.randn(2, T, 3, 6, generator=g,
+                                                                                 dtype=torch.float64)
+    kappa = torch.stack([a[:, i + 1:i + W + 1].prod(1) for i in range(T)], 1)  # windows past T unused
+    window = ChunkedTruncation(W, T)
+    bounds = [(s, min(s + shard, T)) for s in range(0, T, shard)]
+    for s, e in reversed(bounds):
+        if window.corrects(s):
+            n = min(e + W, T) - (s + W)
+            want = torch.zeros(2, e - s, 3, 6, dtype=torch.float64)
+            want[:, :n] = -kappa[:, s:s + n, :, None] * dy[:, s + W:s + W + n]
+            torch.testing.assert_close(window.y2_cotangent(s, e, a[:, s:e]), want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(window.query_next(s, e)[:, :n], q[:, s + W:s + W + n])
+        if e == T - W:
+            d_final = torch.randn(2, 3, 6, 4, dtype=torch.float64)
+            torch.testing.assert_close(window.final_correction(d_final),
+                                       -a[:, T - W:].prod(1)[..., None, None] * d_final, rtol=1e-12, atol=1e-12)
+        window.keep(s, q[:, s:e], a[:, s:e], dy[:, s:e])
+    assert (kappa[:, 2:7, 1] == 0).all()  # the zero reached those windows

@@ -342,8 +342,12 @@ class ChunkedTruncation:
     (``chunked_shard_graph(truncated="correct")``) gives every input's windowed gradient, ``a``'s
     as ``lam_i h_{i-1}`` with the exact states. ``dy`` (the contraction output's gradient, read off
     a zero ``probe``), ``q`` and ``a`` of the ``W`` steps after a shard come from the shards right of
-    it: shards must be at most ``W`` long and come right to left. Per step that keeps ``W`` query,
-    value and decay vectors, never a state.
+    it: shards must be at most ``W`` long and come right to left. Per step that keeps ``W`` query
+    and value vectors and three scalars per head, never a state.
+
+    ``kappa`` is a window's product, in O(shard) per shard whatever ``W``: suffix sums over time of
+    ``log|a|``, of zeros and of negative signs (float64, per batch and head) give any window's
+    magnitude, whether it holds a zero and its sign, without dividing products.
 
     The carry ``dL/dh`` between shards is the exact adjoint's of the corrected gradients: where
     the decays are near 1 over many windows it is a difference of sums growing with ``T``, with
@@ -355,16 +359,17 @@ class ChunkedTruncation:
             raise ValueError(f"truncated adjoint: window must be >= 1, got {window}")
         self.W, self.T = int(window), int(length)
         self._next = self.T
-        self._kept: list[tuple[int, Tensor, Optional[Tensor], Tensor]] = []  # (start, q, a, dy), increasing
+        #: (start, q, dy, suffix): suffix (b, n, H, 3) float64: sums over steps t..T-1 of log|a|, [a == 0], [a < 0]
+        self._kept: list[tuple[int, Tensor, Tensor, Optional[Tensor]]] = []
+        self._pending: Optional[tuple[int, Tensor]] = None  # the last shard's suffix sums
 
     def corrects(self, s: int) -> bool:
         """Whether shard ``[s, ...)`` has steps whose window ends before ``T`` (else: the exact VJP)."""
         return s + self.W < self.T
 
-    def _gather(self, which: int, lo: int, hi: int, fill: float, like: Tensor) -> Tensor:
-        """Steps ``[lo, hi)`` of kept field ``which`` (1: q, 2: a, 3: dy), ``fill`` past ``T``."""
-        parts = []
-        at = lo
+    def _gather(self, which: int, lo: int, hi: int) -> Tensor:
+        """Steps ``[lo, hi)`` of kept field ``which`` (1: q, 2: dy, 3: suffix), zero past ``T``."""
+        parts, at = [], lo
         for start, *fields in self._kept:
             t = fields[which - 1]
             n = t.shape[1]
@@ -376,47 +381,60 @@ class ChunkedTruncation:
             raise RuntimeError(f"truncated adjoint: steps [{at}, {min(hi, self.T)}) of the next window are missing; "
                                "chunked shards must come right to left, each at most the window long")
         if at < hi:
-            parts.append(like.new_full((like.shape[0], hi - at, *like.shape[2:]), fill))
+            like = self._kept[0][which]
+            parts.append(like.new_zeros((like.shape[0], hi - at, *like.shape[2:])))
         return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+
+    def _suffix(self, s: int, a: Tensor) -> Tensor:
+        """The suffix sums (see the class doc) at the shard's steps, continued from the step after it."""
+        a = a.to(torch.float64)
+        stats = torch.stack([torch.where(a == 0, 0.0, a.abs().log()), (a == 0).double(), (a < 0).double()], -1)
+        out = stats.flip(1).cumsum(1).flip(1)
+        e = s + a.shape[1]
+        return out + self._gather(3, e, e + 1) if e < self.T else out
+
+    @staticmethod
+    def _product(sums: Tensor) -> Tensor:
+        """A window's product from its sums ``(log|a|, zeros, negatives)`` (last dim)."""
+        sign = 1 - 2 * torch.remainder(sums[..., 2].round(), 2)
+        return torch.where(sums[..., 1].round() > 0, 0.0, sign * sums[..., 0].exp())
 
     def query_next(self, s: int, e: int) -> Tensor:
         """``q`` at steps ``[s + W, e + W)`` (zero past ``T``)."""
-        return self._gather(1, s + self.W, e + self.W, 0.0, self._kept[0][1])
+        return self._gather(1, s + self.W, e + self.W)
 
     def y2_cotangent(self, s: int, e: int, a: Optional[Tensor]) -> Tensor:
         """``-kappa_i dy_{i+W}`` for ``i`` in ``[s, e)``; ``a`` the shard's decays per head (None: 1)."""
-        W, L = self.W, e - s
-        dy = self._gather(3, s + W, e + W, 0.0, self._kept[0][3])
+        W = self.W
+        dy = self._gather(2, s + W, e + W)
         if a is None:
             return -dy
-        # kappa_i over [i+1, i+W]: a suffix product over [s+1, s+W] times a prefix over [s+W+1, i+W]
-        # (no division: a decay may be 0); L <= W, so every window spans those two pieces
-        acc = accumulation_dtype(a.dtype)
-        first = torch.cat([a[:, 1:], self._gather(2, e, s + W + 1, 1.0, a)], 1).to(acc)
-        suffix = first.flip(1).cumprod(1).flip(1)[:, :L]
-        kappa = suffix.clone()
-        if L > 1:
-            kappa[:, 1:] *= self._gather(2, s + W + 1, e + W, 1.0, a).to(acc).cumprod(1)
-        return -(kappa[..., None] * dy.to(acc)).to(dy.dtype)
+        here = self._suffix(s, a)  # sums from i on; from i + 1: the next row, the kept step e at the end
+        self._pending = (s, here)  # for keep()
+        from_next = torch.cat([here[:, 1:], self._gather(3, e, e + 1)], 1) if e < self.T else \
+            torch.cat([here[:, 1:], torch.zeros_like(here[:, :1])], 1)
+        kappa = self._product(from_next - self._gather(3, s + W + 1, e + W + 1))
+        return -(kappa[..., None] * dy.double()).to(dy.dtype)
 
     def final_correction(self, d_final: Tensor) -> Tensor:
         """``-kappa_{T-1-W} dL/dh_{T-1}``: the final state's gradient (canonical, (b, H, d1, d2)) is a
         full-state direct gradient at the last step, so its correction enters as ``dL/dh`` at step
         ``T-1-W``, the end of a shard (:meth:`~gradshard.plans.adjoint.runtime.AdjointRegion.shards`)."""
-        if self._kept[0][2] is None:  # no decay
+        if self._kept[0][3] is None:  # no decay
             return -d_final
-        a = self._gather(2, self.T - self.W, self.T, 1.0, self._kept[0][2])
-        kappa = a.to(accumulation_dtype(a.dtype)).prod(1)
-        return -(kappa[..., None, None] * d_final).to(d_final.dtype)
+        kappa = self._product(self._gather(3, self.T - self.W, self.T - self.W + 1)[:, 0])
+        return -(kappa[..., None, None] * d_final.double()).to(d_final.dtype)
 
     def keep(self, s: int, q: Tensor, a: Optional[Tensor], dy: Tensor) -> None:
-        """Record shard ``[s, s + L)``'s queries, decays and contraction gradients for the shards left
-        of it, dropping steps no later shard reads (from ``s + W`` on)."""
+        """Record shard ``[s, s + L)``'s queries, contraction gradients and decay sums for the shards
+        left of it, dropping steps no later shard reads (from ``s + W + 1`` on)."""
         L = q.shape[1]
         if s + L != self._next or L > self.W:
             raise RuntimeError(f"truncated adjoint: chunked shard [{s}, {s + L}) must end where the previous one "
                                f"began ({self._next}) and be at most the window ({self.W}) long")
-        stop = s + self.W
-        self._kept = [(p, q_[:, :stop - p], None if a_ is None else a_[:, :stop - p], d_[:, :stop - p])
-                      for p, q_, a_, d_ in [(s, q, a, dy), *self._kept] if p < stop]
+        pending, self._pending = self._pending, None
+        suffix = None if a is None else pending[1] if pending is not None and pending[0] == s else self._suffix(s, a)
+        stop = s + self.W + 1
+        self._kept = [(p, q_[:, :stop - p], d_[:, :stop - p], None if x is None else x[:, :stop - p])
+                      for p, q_, d_, x in [(s, q, dy, suffix), *self._kept] if p < stop]
         self._next = s
