@@ -626,11 +626,14 @@ def _chunked_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequen
         pairs.append((y2, window.y2_cotangent(s, e, a).to(y2.dtype)))
     targets = [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.requires_grad]
     wrt = [leaves[i] for i in targets] + ([h_in] if h_in is not None else []) + extra[:1]
-    if not pairs or not wrt:
+    if not wrt:  # nothing asks for a gradient (the probe is always there when window is given)
         return {}, None
-    got = list(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
-    if window is not None:
+    got = (list(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+           if pairs else [None] * len(wrt))
+    if window is not None:  # the shards left of this one read its steps, gradient or not
         d_probe = got.pop()
         window.keep(s, query, a, torch.zeros_like(extra[0]) if d_probe is None else d_probe)
+    if not pairs:
+        return {}, None
     grads = {i: g for i, g in zip(targets, got) if g is not None}
     return grads, (got[-1] if h_in is not None else None)
