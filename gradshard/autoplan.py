@@ -141,8 +141,10 @@ def price_candidates(target: nn.Module | Callable[..., Any], args: Sequence[Any]
             continue
         say(f"plan='auto': pricing {cand.label()}")
         try:
+            # the steady step is what is compared (its peak and time); the first step's own probes
+            # (a compile each) would price nothing the choice reads
             report = cost(target, cand.plan, example_inputs=tuple(args), device=device, time_axis=time_axis,
-                          frontend=frontend, **cand.options)
+                          frontend=frontend, first_step=False, **cand.options)
         except GradshardError as exc:
             priced.append(Priced(cand, refused=first_line(exc)))
             continue

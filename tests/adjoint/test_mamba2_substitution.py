@@ -154,7 +154,9 @@ def test_torch_compile_backend_after_installing_the_twins(user_module):
     assert install_traceable_twins() == ["mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined"]
     assert user_module.mamba_chunk_scan_combined is mamba_chunk_scan_reference
     assert install_traceable_twins() == []  # idempotent
-    be = gs.backend("adjoint", shard_size=4)
+    # inductor=False: what is checked is the twins under Dynamo; Inductor's compile of the segments
+    # is tested in tests/compose and tests/hf/test_hf_backend.py (here it cost ~2 min on a cold cache)
+    be = gs.backend("adjoint", shard_size=4, inductor=False)
     compiled = torch.compile(model, backend=be, dynamic=False)
     compiled(x).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
