@@ -503,7 +503,6 @@ class AdjointFunction(torch.autograd.Function):
         truncating = region.plan == "truncated_adjoint" and region.window < T
         sweep = TruncatedSweep(sp.kind, region.window, T) if truncating and not chunked else None
         window = ChunkedTruncation(region.window, T) if truncating and chunked else None
-        window_final = d_final if window is not None and d_final is not None else None
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             ws, we = region.window_of(s, e, T)
@@ -517,8 +516,8 @@ class AdjointFunction(torch.autograd.Function):
             last = k == len(shards) - 1
             if chunked:
                 d_end = d_final if last else carry
-                if window_final is not None and e == T - region.window:
-                    fix = window.final_correction(state_canon(window_final, sp.rank))
+                if window is not None and d_final is not None and e == T - region.window:
+                    fix = window.final_correction(state_canon(d_final, sp.rank))
                     d_end = fix if d_end is None else state_canon(d_end, sp.rank).to(fix.dtype) + fix
                 shard_grads, carry = _chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
                                                           ws, we, d_end, window, stack)

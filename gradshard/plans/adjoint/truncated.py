@@ -100,8 +100,8 @@ def _covers(pieces: list[tuple[int, Tensor]], lo: int, hi: int) -> bool:
 def _slice(pieces: list[tuple[int, Tensor]], lo: int, hi: int, where: int) -> Tensor:
     """Steps ``[lo, hi)`` of ``(start, tensor)`` pieces, a view when one piece holds them."""
     if not _covers(pieces, lo, hi):
-        raise RuntimeError(f"truncated adjoint: the next blocks' sums over steps [{lo}, {hi}) are missing "
-                           f"at the shard at {where}; shards must come right to left")
+        raise RuntimeError(f"truncated adjoint: steps [{lo}, {hi}) of the next window are missing at the shard "
+                           f"at {where}; shards must come right to left (chunked ones at most the window long)")
     parts, at = [], lo
     for p, t in sorted(pieces, key=lambda q: q[0]):
         if p <= at < p + t.shape[1] and at < hi:
@@ -369,29 +369,21 @@ class ChunkedTruncation:
 
     def _gather(self, which: int, lo: int, hi: int) -> Tensor:
         """Steps ``[lo, hi)`` of kept field ``which`` (1: q, 2: dy, 3: suffix), zero past ``T``."""
-        parts, at = [], lo
-        for start, *fields in self._kept:
-            t = fields[which - 1]
-            n = t.shape[1]
-            if start <= at < start + n and at < hi:
-                b = min(hi, start + n)
-                parts.append(t[:, at - start:b - start])
-                at = b
-        if at < min(hi, self.T):
-            raise RuntimeError(f"truncated adjoint: steps [{at}, {min(hi, self.T)}) of the next window are missing; "
-                               "chunked shards must come right to left, each at most the window long")
-        if at < hi:
-            like = self._kept[0][which]
-            parts.append(like.new_zeros((like.shape[0], hi - at, *like.shape[2:])))
-        return torch.cat(parts, 1) if len(parts) > 1 else parts[0]
+        like = self._kept[0][which]
+        zeros = like.new_zeros((like.shape[0], max(0, hi - max(lo, self.T)), *like.shape[2:]))
+        if lo >= self.T:
+            return zeros
+        got = _slice([(start, fields[which - 1]) for start, *fields in self._kept], lo, min(hi, self.T), lo)
+        return torch.cat([got, zeros], 1) if zeros.shape[1] else got
 
     def _suffix(self, s: int, a: Tensor) -> Tensor:
-        """The suffix sums (see the class doc) at the shard's steps, continued from the step after it."""
+        """The suffix sums (see the class doc) at the shard's steps and, as one more row, at the step
+        after it (zero at ``T``), which they continue from."""
         a = a.to(torch.float64)
         stats = torch.stack([torch.where(a == 0, 0.0, a.abs().log()), (a == 0).double(), (a < 0).double()], -1)
-        out = stats.flip(1).cumsum(1).flip(1)
         e = s + a.shape[1]
-        return out + self._gather(3, e, e + 1) if e < self.T else out
+        after = self._gather(3, e, e + 1) if e < self.T else stats.new_zeros(stats[:, :1].shape)
+        return torch.cat([stats.flip(1).cumsum(1).flip(1) + after, after], 1)
 
     @staticmethod
     def _product(sums: Tensor) -> Tensor:
@@ -409,11 +401,9 @@ class ChunkedTruncation:
         dy = self._gather(2, s + W, e + W)
         if a is None:
             return -dy
-        here = self._suffix(s, a)  # sums from i on; from i + 1: the next row, the kept step e at the end
-        self._pending = (s, here)  # for keep()
-        from_next = torch.cat([here[:, 1:], self._gather(3, e, e + 1)], 1) if e < self.T else \
-            torch.cat([here[:, 1:], torch.zeros_like(here[:, :1])], 1)
-        kappa = self._product(from_next - self._gather(3, s + W + 1, e + W + 1))
+        sums = self._suffix(s, a)  # row k: the sums from step s + k on
+        self._pending = (s, sums)  # for keep()
+        kappa = self._product(sums[:, 1:] - self._gather(3, s + W + 1, e + W + 1))
         return -(kappa[..., None] * dy.double()).to(dy.dtype)
 
     def final_correction(self, d_final: Tensor) -> Tensor:
@@ -433,7 +423,7 @@ class ChunkedTruncation:
             raise RuntimeError(f"truncated adjoint: chunked shard [{s}, {s + L}) must end where the previous one "
                                f"began ({self._next}) and be at most the window ({self.W}) long")
         pending, self._pending = self._pending, None
-        suffix = None if a is None else pending[1] if pending is not None and pending[0] == s else self._suffix(s, a)
+        suffix = None if a is None else (pending[1] if pending is not None and pending[0] == s else self._suffix(s, a))[:, :-1]
         stop = s + self.W + 1
         self._kept = [(p, q_[:, :stop - p], d_[:, :stop - p], None if x is None else x[:, :stop - p])
                       for p, q_, d_, x in [(s, q, dy, suffix), *self._kept] if p < stop]
