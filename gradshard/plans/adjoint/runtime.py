@@ -22,8 +22,8 @@ Backward, shards right to left; only one shard's graph is ever alive::
 
     recompute producers on the window (grad on), h from its checkpoint (no grad)
     g       = dL/dh from the readout's VJP with the true incoming dL/dy (all layers' terms)
-    lam     = adjoint:   lam_t = g_t + a_{t+1} lam_{t+1}, carried across shards
-              truncated: the windowed lam (gradshard.plans.adjoint.truncated), O(T) blockwise
+    truncated: g_t -= kappa_t g_{t+W} (gradshard.plans.adjoint.truncated: then lam below is the windowed one)
+    lam     = lam_t = g_t + a_{t+1} lam_{t+1}, carried across shards
     da = lam * h_{t-1}, du = lam, dh0 = a_1 lam_1  ->  one VJP through the shard's producers
 
 A *chunked* region (an outer-product state read by a contraction: SSD, decayed linear
@@ -58,7 +58,7 @@ from gradshard.plans.adjoint.chunked import ChunkedForm, chunked_shard_graph
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from gradshard.plans.adjoint.scan import recurrence_for
-from gradshard.plans.adjoint.truncated import ChunkedTruncation, TruncatedSweep
+from gradshard.plans.adjoint.truncated import ChunkedTruncation, StepTruncation
 
 __all__ = ["InputRemat", "ChainedInput", "AdjointRegion", "AdjointFunction"]
 
@@ -501,7 +501,7 @@ class AdjointFunction(torch.autograd.Function):
         # the windowed lam: of per-step shards, or the corrected gradients of chunked ones (none needed
         # where the window covers the call: the exact adjoint)
         truncating = region.plan == "truncated_adjoint" and region.window < T
-        sweep = TruncatedSweep(sp.kind, region.window, T) if truncating and not chunked else None
+        sweep = StepTruncation(sp.kind, region.window, T) if truncating and not chunked else None
         window = ChunkedTruncation(region.window, T) if truncating and chunked else None
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
@@ -537,11 +537,11 @@ class AdjointFunction(torch.autograd.Function):
 
 def _adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
                          dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
-                         d_final: Optional[Tensor], sweep: Optional[TruncatedSweep]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+                         d_final: Optional[Tensor], sweep: Optional[StepTruncation]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
     """Shard ``[s, e)`` (window ``[ws, we)``, state checkpoint ``ckpt``; None: the first shard) by the
     per-step adjoint: the inputs' gradients from one VJP through the producers, and the carry
     ``dL/dh`` at the shard's start. ``carry`` is the later shard's; ``d_final`` the final state's
-    gradient (last shard only); ``sweep`` the truncated adjoint's windowed lam, else None."""
+    gradient (last shard only); ``sweep`` the truncated adjoint's gradient correction, else None."""
     sp = region.scan
     with torch.enable_grad():
         outs = region.producers_on(we - ws, s - ws, e - s)(*leaves)
@@ -557,12 +557,10 @@ def _adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequen
     with torch.no_grad():
         hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
     gc, d_r = _readout_grads(region, hc, r_leaves, dys, s, d_final)
-    if sweep is None:
-        da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
-        carry = dh_start
-    else:
-        lam = sweep.shard(s, acd, gc)
-        da, du, dh_start = region.rec.grads_from_lam(acd, hc, h_start_d, lam)
+    if sweep is not None:  # the windowed lam is the exact adjoint of the corrected gradients
+        gc = sweep.correct(s, acd, gc)
+    da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
+    carry = dh_start
     del hc, gc  # the shard's states: not needed by the VJP below
     # one VJP through this shard's producers (parameters and window inputs)
     outs_v: list[Tensor] = []
