@@ -73,13 +73,14 @@ def gpu_tiles(launcher: Callable[..., Any]) -> Callable[..., Any]:
     """``launcher`` choosing the lightning kernels' tiles as on a GPU (under the interpreter they
     pick the smallest blocks, which would count a different traffic)."""
     import gradshard.kernels.triton.lightning as lightning
+    import gradshard.kernels.triton.lightning_fused as lightning_fused
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        lightning.INTERPRETED = False
+        lightning.INTERPRETED = lightning_fused.INTERPRETED = False
         try:
             return launcher(*args, **kwargs)
         finally:
-            lightning.INTERPRETED = True
+            lightning.INTERPRETED = lightning_fused.INTERPRETED = True
 
     return call
 
@@ -127,10 +128,15 @@ def cases() -> list[tuple[str, Callable[[], Any], int]]:
                             q, k, v, decay, s0, 64, dt, torch.float32, fused=fused),
                         fwd_min))
         bwd_min = nbytes(q, k, v, decay, s0, do, ds) + nbytes(q, k, v) + nbytes(decay) + nbytes(s0)
-        out.append((f"lightning backward (d=64, chunk 64), {name}",
-                    lambda q=q, k=k, v=v, decay=decay, s0=s0, do=do, ds=ds: gpu_tiles(lightning_bwd_triton)(
-                        q, k, v, decay, s0, do, ds, 64, torch.float32),
-                    bwd_min))
+        for fused in (False, True):
+            out.append((f"lightning backward{', fused' if fused else ''} (d=64, chunk 64), {name}",
+                        lambda q=q, k=k, v=v, decay=decay, s0=s0, do=do, ds=ds, fused=fused: gpu_tiles(
+                            lightning_bwd_triton)(q, k, v, decay, s0, do, ds, 64, torch.float32, fused=fused),
+                        bwd_min))
+        out.append((f"lightning backward, fused, no decay (d=64, chunk 64), {name}",
+                    lambda q=q, k=k, v=v, s0=s0, do=do, ds=ds: gpu_tiles(lightning_bwd_triton)(
+                        q, k, v, None, s0, do, ds, 64, torch.float32, fused=True),
+                    bwd_min - 2 * nbytes(decay)))
     return out
 
 

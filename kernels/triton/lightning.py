@@ -1,5 +1,7 @@
 """Triton lightning attention: forward and backward, chunk-parallel, state in and out.
 
+Shared device helpers: :mod:`.lightning_common`.
+
 Formulas: :mod:`gradshard.kernels.lightning_torch` (same notation: M, Ms, P, Pp, Gam, Pe).
 The decay factors are built in registers by cumulative products (``tl.cumprod``), never by
 dividing or by exponentiating log-decay differences.
@@ -19,11 +21,11 @@ recurrence ``S_{c+1} = Pe_c S_c + U_c``, is itself a diagonal linear scan and ru
   a dv block's share of the decay gradient goes to its own buffer row, summed afterwards).
 
 So the GPU sees ``T / C * B * H`` programs instead of ``B * H`` walking ``T`` sequentially
-(the previous design: 16 programs on a 132-SM H100 at B=2, H=8). Where heads and value
-blocks alone fill the GPU, the forward instead runs ``_fused_forward_kernel`` (Lightning
-Attention-2's sequential form: a program per head and value block carries the state in
-registers over the chunks, moving the op's minimum bytes; :func:`_fused_forward`). The price is the per-chunk
-states in global memory, ``T / C * dk * dv`` float32 values per head, freed when the call
+(the previous design: 16 programs on a 132-SM H100 at B=2, H=8). Where heads and blocks alone
+fill the GPU, the forward and the backward instead run the sequential kernels of
+:mod:`.lightning_fused` (Lightning Attention-2's form: a program per head and block carries the
+state, or its gradient, in registers over the chunks; ``fused=`` forces either path). The
+chunk-parallel kernels' price is the per-chunk states in global memory, ``T / C * dk * dv`` float32 values per head, freed when the call
 returns: the chunk scan runs in place over the increments, so the forward holds one such buffer
 and the backward two. That is ``dk * dv * 4 / C`` bytes per token and head: with the chunks
 the register budget allows (C = 32 in the backward, 32-64 in the forward; see
@@ -42,52 +44,10 @@ import triton
 import triton.language as tl
 
 from .layout import INTERPRETED, check_device, dot_precision, pow2, serialized_launch, tl_dtype
+from .lightning_common import (NUM_WARPS, _chunk_tile, _decay_args, _decay_factors, _empty_sequence_state, _rows,
+                               _shifted_factors)
+from .lightning_fused import _fused_backward, _fused_forward, run_fused_backward, run_fused_forward
 from .scan import scan_triton
-
-@triton.jit
-def _decay_factors(D, d_off, t, sd_t, tmask, offs_c, HAS_DECAY: tl.constexpr, BC: tl.constexpr, ACC: tl.constexpr):
-    """(M, P, Gam, Pe) of one chunk; padding positions decay by 1."""
-    i = offs_c[:, None]
-    j = offs_c[None, :]
-    if HAS_DECAY:
-        d = tl.load(D + d_off + t * sd_t, mask=tmask, other=1.0).to(ACC)
-    else:
-        d = tl.full([BC], 1.0, ACC)
-    m = tl.cumprod(tl.where(i > j, d[:, None], 1.0).to(ACC), axis=0)
-    m = tl.where(i >= j, m, 0.0)
-    p = tl.cumprod(d, axis=0)
-    gam = tl.sum(tl.where(i == BC - 1, m, 0.0), axis=0)
-    pe = tl.sum(tl.where(offs_c == BC - 1, p, 0.0), axis=0)
-    return m, p, gam, pe
-
-
-@triton.jit
-def _shifted_factors(D, d_off, t, sd_t, tmask, offs_c, BC: tl.constexpr, ACC: tl.constexpr):
-    """(Ms, Pp): Ms[i, j] = M[i-1, j] for j < i, Pp[i] = P[i-1] (Pp[0] = 1)."""
-    i = offs_c[:, None]
-    j = offs_c[None, :]
-    dp = tl.load(D + d_off + (t - 1) * sd_t, mask=tmask & (offs_c > 0), other=1.0).to(ACC)
-    ms = tl.cumprod(tl.where(i > j + 1, dp[:, None], 1.0).to(ACC), axis=0)
-    ms = tl.where(i > j, ms, 0.0)
-    return ms, tl.cumprod(dp, axis=0)
-
-
-@triton.jit
-def _chunk_tile(pid_bh, pid_c, pid_v, H, T, DK, DV, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """(batch, head, chunk rows, key cols, value cols of block ``pid_v``, their masks, steps, step mask)."""
-    offs_c = tl.arange(0, BC)
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    t = (pid_c * BC + offs_c).to(tl.int64)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    return b, h, offs_c, offs_k, offs_v, offs_k < DK, offs_v < DV, t, t < T
-
-
-@triton.jit
-def _rows(X, base, t, s_t, offs, mask, ACC: tl.constexpr):
-    """The (steps ``t``) x (columns ``offs``) tile of a (.., T, d) tensor at ``base``, in ``ACC``."""
-    return tl.load(X + base + t[:, None] * s_t + offs[None, :], mask=mask, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -159,46 +119,6 @@ def _chunk_output_kernel(
     scores = tl.dot(q, tl.trans(k), input_precision=PREC) * m
     o = tl.dot(scores, v, input_precision=PREC) + tl.dot(q * p[:, None], s, input_precision=PREC)
     tl.store(O + b * so_b + h * so_h + t[:, None] * so_t + offs_v[None, :], o, mask=v_mask)
-
-
-@triton.jit
-def _fused_forward_kernel(
-    Q, K, V, D, S0, O, SF,
-    T, H, DK, DV, NC,
-    sq_b, sq_h, sq_t, sv_b, sv_h, sv_t, sd_b, sd_h, sd_t, so_b, so_h, so_t,
-    HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
-):
-    """One program per (batch x head, dv block) walks the chunks in order with the state in
-    registers (Lightning Attention-2's forward): ``O_c = ((Q K^T) * M) V + (P Q_c) S``, then
-    ``S <- Pe_c S + (Gam K_c)^T V_c``; q, k, v are read once, o and the final state written
-    once (``SF``), and no chunk state goes through global memory."""
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    b, h, offs_c, offs_k, offs_v, kmask, vmask, _, _ = _chunk_tile(pid_bh, 0, pid_v, H, T, DK, DV, BC, BK, BV)
-    smask = kmask[:, None] & vmask[None, :]
-    state = pid_bh.to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
-    if HAS_S0:
-        s = tl.load(S0 + state, mask=smask, other=0.0).to(ACC)
-    else:
-        s = tl.zeros([BK, BV], dtype=ACC)
-    q_base = b * sq_b + h * sq_h
-    v_base = b * sv_b + h * sv_h
-    d_base = b * sd_b + h * sd_h
-    for c in range(0, NC):
-        t = (c * BC + offs_c).to(tl.int64)
-        tmask = t < T
-        qk_mask = tmask[:, None] & kmask[None, :]
-        v_mask = tmask[:, None] & vmask[None, :]
-        q = _rows(Q, q_base, t, sq_t, offs_k, qk_mask, ACC)
-        k = _rows(K, q_base, t, sq_t, offs_k, qk_mask, ACC)
-        v = _rows(V, v_base, t, sv_t, offs_v, v_mask, ACC)
-        m, p, gam, pe = _decay_factors(D, d_base, t, sd_t, tmask, offs_c, HAS_DECAY, BC, ACC)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * m
-        o = tl.dot(scores, v, input_precision=PREC) + tl.dot(q * p[:, None], s, input_precision=PREC)
-        tl.store(O + b * so_b + h * so_h + t[:, None] * so_t + offs_v[None, :], o, mask=v_mask)
-        s = pe * s + tl.dot(tl.trans(k * gam[:, None]), v, input_precision=PREC)
-    tl.store(SF + state, s, mask=smask)
 
 
 @triton.jit
@@ -370,18 +290,6 @@ def backward_tiles(chunk_size: int, dk: int, dv: int) -> BackwardTiles:
     return BackwardTiles(chunk, min(pow2(dv), 32), min(pow2(dv), 64), min(pow2(dk), 32), 16)
 
 
-#: Warps per program (every lightning kernel): with 4 the float32 kernels spilled at tile sizes
-#: that compile without spills at 8 (bench/bench_kernel_compile.py).
-NUM_WARPS = 8
-
-
-def _decay_args(decay: Optional[torch.Tensor], like: torch.Tensor):
-    """(tensor, strides) of a per-step decay view (B, H, T); stride-0 views of (H,) stay cheap."""
-    if decay is None:
-        return like, (0, 0, 0)
-    return decay, tuple(decay.stride())
-
-
 def _scan_chunks(x: torch.Tensor, y: torch.Tensor, decay: Optional[torch.Tensor], edge: Optional[torch.Tensor],
                  bc: int, acc: torch.dtype, *, reverse: bool) -> torch.Tensor:
     """Every chunk's increment ``(w X_c)^T Y_c`` scanned over chunks by ``S <- Pe_c S + increment``.
@@ -409,38 +317,6 @@ def _scan_chunks(x: torch.Tensor, y: torch.Tensor, decay: Optional[torch.Tensor]
     return scan_triton(pe.unsqueeze(-1), flat, seed, reverse=reverse, out_dtype=acc, out=flat)
 
 
-def _empty_sequence_state(edge: Optional[torch.Tensor], shape: tuple[int, ...], acc: torch.dtype,
-                          device: torch.device) -> torch.Tensor:
-    """T = 0: the state passes through unchanged (or is 0)."""
-    return torch.zeros(shape, dtype=acc, device=device) if edge is None else edge.to(acc).clone()
-
-
-def _fused_tiles(chunk_size: int, dk: int, dv: int) -> tuple[int, int]:
-    """(chunk, dv block) of :func:`_fused_forward_kernel`: chunks of 32; the whole value head
-    up to 64, 32-wide blocks for heads wider than 64 (the ahead-of-time compile, bfloat16 with a
-    decay and a state: chunk 64 spilled 320-2184 B per thread at d=64; d=128 with 64-wide blocks
-    184-232 B; chunk 32 with these blocks none on sm_90, none on sm_80 but 56 B at d=64). A head
-    of 128 then reads q and k once per value block. The interpreter uses 16-wide blocks so tests
-    with dv > 16 cover several."""
-    bc = min(32, pow2(chunk_size))
-    if INTERPRETED:
-        return bc, 16
-    return bc, 32 if pow2(dk) > 64 else min(pow2(dv), 64)
-
-
-def _fused_forward(b: int, h: int, dk: int, dv: int, device: torch.device) -> bool:
-    """Whether the forward runs :func:`_fused_forward_kernel` (a program per head and dv block,
-    the chunks in sequence; the op's minimum traffic) rather than the chunk-parallel kernels
-    (chunks x heads programs; every chunk's state through global memory, 5.6-7.1x the minimum
-    traffic: RESULTS "Bytes moved per kernel"): when heads x dv blocks give every SM two
-    programs. Not timed on a GPU yet; never under the interpreter or on CPU tensors (the tests
-    and the ahead-of-time compile ask for it by ``fused=True``)."""
-    if INTERPRETED or device.type != "cuda":
-        return False
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return b * h * triton.cdiv(dv, _fused_tiles(64, dk, dv)[1]) >= 2 * sms
-
-
 @serialized_launch
 def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.dtype, acc: torch.dtype,
                          fused: Optional[bool] = None):
@@ -455,19 +331,9 @@ def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.d
     s0c = None if s0 is None else s0.contiguous()
     if b * h == 0 or length == 0:
         return o, _empty_sequence_state(s0c, (b, h, dk, dv), acc, q.device)
-    bc = _block_c(chunk_size, dk, q.dtype)
     if fused if fused is not None else _fused_forward(b, h, dk, dv, q.device):
-        final = torch.empty((b, h, dk, dv), dtype=acc, device=q.device)
-        d_t, d_s = _decay_args(decay, q)
-        bc, bv = _fused_tiles(chunk_size, dk, dv)
-        _fused_forward_kernel[(b * h, triton.cdiv(dv, bv))](
-            q, k, v, d_t, s0c if s0c is not None else final, o, final, length, h, dk, dv, triton.cdiv(length, bc),
-            q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), *d_s,
-            o.stride(0), o.stride(1), o.stride(2),
-            HAS_DECAY=decay is not None, HAS_S0=s0c is not None, BC=bc, BK=pow2(dk), BV=bv,
-            ACC=tl_dtype(acc), PREC=dot_precision(q.dtype), num_warps=NUM_WARPS,
-        )
-        return o, final
+        return o, run_fused_forward(q, k, v, decay, s0c, o, chunk_size, acc)
+    bc = _block_c(chunk_size, dk, q.dtype)
     after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)
     nc = after.shape[1]
     d_t, d_s = _decay_args(decay, q)
@@ -485,8 +351,12 @@ def lightning_fwd_triton(q, k, v, decay, s0, chunk_size: int, out_dtype: torch.d
 
 
 @serialized_launch
-def lightning_bwd_triton(q, k, v, decay, s0, do, ds, chunk_size: int, acc: torch.dtype):
-    """Backward. Returns (dq, dk, dv in the inputs' dtypes, dd per step (B, H, T) or None, dS0 in acc)."""
+def lightning_bwd_triton(q, k, v, decay, s0, do, ds, chunk_size: int, acc: torch.dtype,
+                         fused: Optional[bool] = None):
+    """Backward. Returns (dq, dk, dv in the inputs' dtypes, dd per step (B, H, T) or None, dS0 in acc).
+    ``fused``: force the two sequential sweeps (True, :func:`.lightning_fused.run_fused_backward`)
+    or the chunk-parallel kernels (False); None chooses (:func:`.lightning_fused._fused_backward`).
+    Results do not depend on it."""
     check_device(q)
     b, h, length, dk = q.shape
     dv = v.shape[-1]
@@ -500,6 +370,8 @@ def lightning_bwd_triton(q, k, v, decay, s0, do, ds, chunk_size: int, acc: torch
     dsc = None if ds is None else ds.contiguous()
     if b * h == 0 or length == 0:
         return dq, dk_, dv_, dd, _empty_sequence_state(dsc, (b, h, dk, dv), acc, q.device)
+    if fused if fused is not None else _fused_backward(b, h, dk, dv, q.device, q.dtype, decay is not None):
+        return dq, dk_, dv_, dd, run_fused_backward(q, k, v, decay, s0c, do, dsc, chunk_size, acc, dq, dk_, dv_, dd)
     tiles = backward_tiles(chunk_size, dk, dv)
     bc, bk = tiles.chunk, pow2(dk)
     after = _scan_chunks(k, v, decay, s0c, bc, acc, reverse=False)

@@ -103,3 +103,45 @@ def test_kernels_compile_fit_shared_memory_and_do_not_spill(arch):
         assert got.shared_bytes <= SM_LIMITS[arch]["shared_per_block"], got
         assert got.spill_bytes == 0, got
         assert 0 < got.occupancy <= 1, got
+
+
+def test_the_fused_lightning_backward_records_two_sweeps():
+    """fused=True: the dQ sweep (a program per head and 64-wide dk block, every value) and the
+    dK/dV sweep (a program per head and 64-wide dv block, every key); nothing else runs for
+    heads of 64. The chooser never picks it for CPU tensors."""
+    b, h, length, d = 2, 3, 1000, 64
+    args = (*(_e(b, h, length, d),) * 3, _e(b, h, length), _e(b, h, d, d), _e(b, h, length, d), _e(b, h, d, d), 64,
+            torch.float32)
+    with record_launches() as fused:
+        lightning_bwd_triton(*args, fused=True)
+    assert _names(fused) == ["_fused_bwd_dq_kernel", "_fused_bwd_dkv_kernel"]
+    assert fused[0].grid == (b * h, 1) and fused[1].grid == (b * h, 1)
+    assert fused[0].constexprs["STORE_STATES"] is True and fused[1].constexprs["BC"] == 32
+    with record_launches() as chosen:
+        lightning_bwd_triton(*args)
+    assert "_fused_bwd_dq_kernel" not in _names(chosen)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_fused_lightning_backward_compiles_and_fits_shared_memory(arch):
+    """bfloat16 heads of 64 and 128, with and without a decay (S0 and dS_final given): every
+    variant compiles and fits the SM's shared memory. On sm_90 the bfloat16 d=64 dQ sweep and
+    the d=64 dK/dV sweep without a decay keep every value in registers; the other variants
+    spill (kernels/triton/lightning_fused.py, ``fused_backward_tiles``)."""
+    bf = torch.bfloat16
+    spill_free = set()
+    for d in (64, 128):
+        for decay in (True, False):
+            b, h, length = 2, 4, 1024
+            with record_launches() as launches:
+                lightning_bwd_triton(*(_e(b, h, length, d, dtype=bf),) * 3, _e(b, h, length) if decay else None,
+                                     _e(b, h, d, d), _e(b, h, length, d, dtype=bf), _e(b, h, d, d), 64, torch.float32,
+                                     fused=True)
+            for launch in launches:
+                got = compile_launch(launch, arch)
+                assert got.registers > 0 and got.shared_bytes <= SM_LIMITS[arch]["shared_per_block"], got
+                if got.spill_bytes == 0:
+                    spill_free.add((launch.name, d, decay))
+    if arch == 90:
+        assert {("_fused_bwd_dq_kernel", 64, True), ("_fused_bwd_dq_kernel", 64, False),
+                ("_fused_bwd_dkv_kernel", 64, False)} <= spill_free

@@ -16,7 +16,7 @@ if not INTERPRETED:
 
 else:
     from gradshard.bench.bench_kernel_traffic import counting, gpu_tiles, nbytes
-    from gradshard.kernels.triton.lightning import lightning_fwd_triton
+    from gradshard.kernels.triton.lightning import lightning_bwd_triton, lightning_fwd_triton
     from gradshard.kernels.triton.scan import Tiles, scan_triton
 
     def _scan_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,3 +58,27 @@ else:
         with counting() as counts:
             o, final = gpu_tiles(lightning_fwd_triton)(q, k, v, decay, s0, 64, torch.float32, torch.float32, fused=True)
         assert dict(counts) == {"_fused_forward_kernel": [nbytes(q, k, v, decay, s0), nbytes(o, final)]}
+
+    @pytest.mark.parametrize("with_decay", [False, True])
+    def test_the_fused_lightning_backward_stays_near_its_minimum(with_decay: bool) -> None:
+        """GPU tiles, one dk and one dv block for heads of 48, chunks of 32 (3 of them for T=80).
+        Sweep 1 reads k, v, dO (+ decay, S0) and writes dQ; sweep 2 reads q, k, v, dO (+ decay
+        twice, dS) and writes dK, dV (+ the decay gradient) and dS0: k, v and dO are read twice,
+        so about 10/7 of the minimum. With a decay, sweep 1 also writes the state entering every
+        chunk (float32) and sweep 2 reads it back, for the exact decay gradient."""
+        g = torch.Generator().manual_seed(0)
+        q, k, v, do = (torch.randn(1, 2, 80, 48, generator=g) for _ in range(4))
+        decay = torch.rand(1, 2, 80, generator=g) if with_decay else None
+        s0, ds = (torch.randn(1, 2, 48, 48, generator=g) for _ in range(2))
+        with counting() as counts:
+            dq, dk, dv, dd, ds0 = gpu_tiles(lightning_bwd_triton)(q, k, v, decay, s0, do, ds, 64, torch.float32,
+                                                                  fused=True)
+        states = nbytes(s0) * 3 if with_decay else 0  # 3 chunks' entering states
+        shifted = 2 * nbytes(decay) - 3 * 2 * 4 if with_decay else 0  # d and d shifted by one step in each chunk
+        assert dict(counts) == {
+            "_fused_bwd_dq_kernel": [nbytes(k, v, do, decay, s0), nbytes(dq) + states],
+            "_fused_bwd_dkv_kernel": [nbytes(q, k, v, do, ds) + shifted + states, nbytes(dk, dv, dd, ds0)],
+        }
+        minimum = nbytes(q, k, v, do, decay, s0, ds, dq, dk, dv, dd, ds0)
+        total = sum(r + w for r, w in counts.values())
+        assert total <= (1.8 if with_decay else 1.35) * minimum  # 1.75x and 1.34x
