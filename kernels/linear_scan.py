@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .backend import select_backend
+from .backend import runs_direct, select_backend
 from .scan_torch import scan_torch
 
 
@@ -91,7 +91,10 @@ def linear_scan(
     """
     check_scan_args(a, u, h0)
     select_backend(u, backend)  # fail early, in the caller's frame, on an impossible backend
-    h = torch.ops.gradshard.linear_scan(a, u, h0, bool(reverse), backend)
+    if runs_direct(a, u, h0):  # what the op would run, without its dispatch
+        h = run_linear_scan(a, u, h0, bool(reverse), backend)
+    else:
+        h = torch.ops.gradshard.linear_scan(a, u, h0, bool(reverse), backend)
     if not return_final_state:
         return h
     if u.shape[1] == 0:
