@@ -106,6 +106,7 @@ def build_program(gm: fx.GraphModule) -> Program:
     backward_of: dict[str, list[Stage]] = {}
     owner: dict[str, str] = {}  # node name -> forward stage name
     seg_id = 0
+    flops_seen: dict = {}  # node_cost replays each distinct op signature once
     for kind, nodes in _segments(gm):
         if kind == "region":
             node = nodes[0]
@@ -135,7 +136,7 @@ def build_program(gm: fx.GraphModule) -> Program:
                     for db in backward_of.get(d, [])[:1]:
                         dag.add_edge(bs.name, db.name)
             continue
-        costs = [node_cost(n) for n in nodes]
+        costs = [node_cost(n, flops_seen) for n in nodes]
         block = next((k for k in map(block_key, nodes) if k), None)
         name = f"{block or 'segment'}#{seg_id}"
         seg_id += 1

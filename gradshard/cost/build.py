@@ -32,7 +32,8 @@ from ..plans import get_plan
 from .devices import get_device
 from .facts import graph_facts
 from .fit import LINEAR_TOLERANCE, B, T, Fit, fit_peak, fit_polynomial
-from .probe import CompileSample, ProbeSample, find_input_axes, run_compile_probe, run_probe
+from .probe import (CompileSample, ProbeSample, find_input_axes, older_objects_frozen, run_compile_probe,
+                    run_probe)
 from .first_step import compile_probe_points, compile_regimes, fit_compile, first_step_expressions
 from .report import CostReport
 from .rules import RuleContext, get_rule, optimizer_states
@@ -70,6 +71,7 @@ def probe_points(granule: int, *, batched: bool = True, seq_lens: Sequence[int] 
     return fit, checks
 
 
+@older_objects_frozen()  # its probes each start with a full collection: scan only what they make
 def cost(model_or_fn: Any, plan: str = "none", *, example_inputs: Sequence[Any], device: str | None = None,
          dtype: torch.dtype | None = None, optimizer: str | float = "adamw",
          loss_fn: Callable[[Any], torch.Tensor] | None = None, time_axis: tuple[int, int] | None = None,

@@ -23,7 +23,7 @@ import torch
 
 from gradshard.errors import GradshardError, summary
 from gradshard.cost.build import cost
-from gradshard.cost.probe import collector_held, make_step
+from gradshard.cost.probe import collector_held, make_step, older_objects_frozen
 from gradshard.cost.report import CostReport, bisect_last
 
 __all__ = ["ValidationRow", "FirstStepRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
@@ -174,6 +174,7 @@ def plan_applies(factory: Factory, plan: str, options: Mapping[str, Any], seq_le
     return None
 
 
+@older_objects_frozen()  # many measured steps, each after a full collection
 def validate_plan(name: str, factory: Factory, plan: str, options: Mapping[str, Any] | None = None,
                   seq_lens: Sequence[int] | None = None, batch: int = 2, report: CostReport | None = None,
                   device: str | torch.device | None = None) -> tuple[CostReport, list[ValidationRow], float]:
@@ -215,6 +216,7 @@ def validate_plan(name: str, factory: Factory, plan: str, options: Mapping[str, 
     return report, rows, build_s
 
 
+@older_objects_frozen()  # many measured steps, each after a full collection
 def bisect_max_seq_len(factory: Factory, plan: str, options: Mapping[str, Any], budget: int, *, batch: int,
                        lo: int, hi: int, multiple_of: int = 1) -> int:
     """The longest ``T`` (a multiple of ``multiple_of``, in ``[lo, hi]``) whose *measured* step
