@@ -42,7 +42,7 @@ from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 
 __all__ = ["GraphCompiler", "signature", "graph_structure", "SharedCompiles", "GraphVariants", "RegionGraphs",
-           "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]
+           "CompiledCalls", "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]
 
 #: ``compiler(gm, example_inputs) -> callable`` taking the graph's inputs unboxed (the
 #: ``SegmentCompiler`` protocol of :mod:`gradshard.compose`).
@@ -220,6 +220,72 @@ class RegionGraphs:
 
     def __getstate__(self) -> dict:
         return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False}
+
+
+class CompiledCalls:
+    """Functions of tensors a rule runs (SSD's block form, ...) traced and compiled at first use.
+
+    ``calls(fn, *args)`` runs ``fn(*args)``: its tensor arguments are the compiled function's
+    inputs, everything else (None, ints, flags, strings) is fixed in the trace. A variant per
+    ``(fn, fixed arguments, signature)``, traced by ``make_fx`` on detached inputs and compiled
+    with ``compiler`` (differentiable: a backward recompute differentiates it as it would ``fn``).
+    ``fn`` must return tensors or a tuple of them and depend on its arguments alone. A failed
+    trace or compile is logged once and that function runs eagerly from then on; past
+    :data:`MAX_GRAPHS` variants (ever new window lengths) new ones run eagerly too.
+    """
+
+    def __init__(self, compiler: GraphCompiler, owner: str) -> None:
+        self.compiler = compiler
+        self.owner = owner
+        self.variants: dict[tuple, Callable[..., Any]] = {}
+        self.failed: set[Callable[..., Any]] = set()
+        self.compile_seconds = 0.0
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if fn in self.failed:
+            return fn(*args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        fixed = tuple(None if isinstance(a, torch.Tensor) else ("value", a) for a in args)
+        key = (fn, fixed, *signature(tensors))
+        compiled = self.variants.get(key)
+        if compiled is None:
+            if len(self.variants) >= MAX_GRAPHS:
+                return fn(*args)
+            compiled = self._compile(fn, args, tensors)
+            if compiled is None:
+                return fn(*args)
+            self.variants[key] = compiled
+        out = compiled(*tensors)
+        return tuple(out) if isinstance(out, (list, tuple)) else out
+
+    def _compile(self, fn: Callable[..., Any], args: Sequence[Any], tensors: list) -> Optional[Callable[..., Any]]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def with_fixed(*ts: torch.Tensor) -> Any:
+            it = iter(ts)
+            return fn(*(next(it) if isinstance(a, torch.Tensor) else a for a in args))
+
+        name = getattr(fn, "__qualname__", repr(fn))
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                gm = make_fx(with_fixed)(*(t.detach() for t in tensors))
+            compiled = self.compiler(gm, list(tensors))
+        except Exception as exc:  # noqa: BLE001 - the eager function computes the same values
+            self.failed.add(fn)
+            log.warning("gradshard: could not compile %s's %s (%s); running it eagerly", self.owner, name,
+                        summary(exc))
+            return None
+        self.compile_seconds += time.perf_counter() - t0
+        log.info("gradshard: compiled %s's %s in %.1f s", self.owner, name, time.perf_counter() - t0)
+        return compiled
+
+    # compiled code is process-local: copies and pickles start with an empty cache
+    def __deepcopy__(self, memo: dict) -> "CompiledCalls":
+        return CompiledCalls(self.compiler, self.owner)
+
+    def __getstate__(self) -> dict:
+        return {"compiler": None, "owner": self.owner, "variants": {}, "failed": set(), "compile_seconds": 0.0}
 
 
 class LengthCache:

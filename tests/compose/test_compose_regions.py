@@ -21,7 +21,7 @@ from gradshard.examples import factories
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.runtime import AdjointRegion
 from gradshard.plans.chunked.runtime import ChunkedRegion
-from gradshard.runtime.compiled import GraphVariants, RegionGraphs
+from gradshard.runtime.compiled import CompiledCalls, GraphVariants, RegionGraphs
 from tests.adjoint.models import DiagonalSSM, SsdNet, init_like_training
 
 from .helpers import assert_exact, composed
@@ -248,3 +248,52 @@ def test_layers_cut_alike_compile_their_graphs_once() -> None:
     assert len(regions) == 3 and variants[0] == variants[1] == variants[2] > 0
     assert len(calls) == variants[0]  # the other two layers reuse layer 0's compiled variants
     assert regions[0].graphs.compiler.hits == variants[1] + variants[2]
+
+
+def test_seco_runs_ssd_block_form_compiled_and_stays_exact() -> None:
+    """seco's block-read SSD scans (the readout's block form from the carried state) run as
+    compiled functions under a compiler: one variant per chunk width and grad mode, exact."""
+    torch.manual_seed(0)
+    model = SsdNet(layers=2, decay="exp").double()
+    cm = assert_exact(model, (_x(2, 13, 6),), "seco", chunk_size=5)
+    (region,) = _regions(cm, ChunkedRegion)
+    calls = region.compiled_calls()
+    # three windows -- the first chunk (no state before it), the next (a state), the last (width 3) --
+    # each without grad (the forward) and with it (the backward's recompute), shared by both layers
+    assert calls is not None and not calls.failed and len(calls.variants) == 6
+    assert all(key[0].__name__ == "block_scan" for key in calls.variants)
+    before = len(calls.variants)
+    _step(cm, _x(2, 13, 6, seed=2))
+    assert len(calls.variants) == before  # the second step compiles nothing
+    assert "6 compiled block-form call(s)" in cm.explain()
+
+
+def test_compiled_calls_fix_non_tensors_and_fall_back_when_the_compiler_refuses(caplog) -> None:
+    seen: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list):
+        seen.append(len(example_inputs))
+        return aot_eager(gm, example_inputs)
+
+    def f(a: torch.Tensor, scale: float, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return (a * scale, a.sin() if b is None else a + b)
+
+    calls = CompiledCalls(counting, "r")
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y, z = calls(f, a, 2.0, None)
+    (y.sum() + z.sum()).backward()  # differentiable
+    assert torch.allclose(a.grad, 2 + a.detach().cos())
+    calls(f, a, 2.0, None)
+    calls(f, a, 3.0, None)  # another fixed value
+    calls(f, a, 2.0, torch.ones(3))  # another tensor argument
+    assert seen == [1, 1, 2] and len(calls.variants) == 3
+
+    def refusing(gm, example_inputs):
+        raise RuntimeError("no kernel for this op")
+
+    calls = CompiledCalls(refusing, "r")
+    with caplog.at_level("WARNING", logger="gradshard"):
+        y, z = calls(f, a, 2.0, None)
+        calls(f, a, 2.0, None)
+    assert torch.equal(y, a * 2) and f in calls.failed and not calls.variants
+    assert sum("could not compile r's" in r.getMessage() for r in caplog.records) == 1

@@ -50,7 +50,8 @@ class ChunkEvaluator:
     def __init__(self, program: Any, flat: list[Any], index: int, cache: Any, *,
                  grad_inputs: dict[int, torch.Tensor] | None = None,
                  needs_grad: tuple[bool, ...] = (), dry: bool = False,
-                 stash: AttentionStash | None = None, groups: dict[str, Any] | None = None) -> None:
+                 stash: AttentionStash | None = None, groups: dict[str, Any] | None = None,
+                 calls: Any = None) -> None:
         self.program = program
         self.flat = flat
         self.index = index
@@ -74,6 +75,8 @@ class ChunkEvaluator:
         self.stash = stash
         #: node name -> the compiled group running it (groups.py); None: node by node
         self.groups = None if dry else groups
+        #: the rules' compiled functions (:class:`~gradshard.runtime.compiled.CompiledCalls`); None: eager
+        self.calls = None if dry else calls
         #: node name -> the window this chunk computes it on; smaller windows are narrows of it
         self.windows = program.windows(index)
         self._computing: set[tuple[str, Demand]] = set()
@@ -99,6 +102,10 @@ class ChunkEvaluator:
         for t, (lo, hi) in zip(self.program.rules[node.name].frame, demand):
             shape[t.dim] = t.size(shape[t.dim], max(0, hi - lo))
         return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, compiled when the program is composed with a compiler (a rule's block form)."""
+        return fn(*args) if self.calls is None else self.calls(fn, *args)
 
     # ---------------------------------------------------------------- evaluation
 

@@ -41,7 +41,7 @@ from gradshard.errors import summary
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import default_run
 from gradshard.plans.chunked.rules_local import _cat_run, _expand_run, _reshape_run
-from gradshard.runtime.compiled import GraphCompiler, signature
+from gradshard.runtime.compiled import CompiledCalls, GraphCompiler, signature
 
 __all__ = ["LocalGroup", "find_local_groups", "GroupRunner", "GroupCache", "MAX_VARIANTS"]
 
@@ -198,7 +198,8 @@ class GroupRunner:
 
 
 class GroupCache:
-    """A region's group runners (``by_node``: output name -> runner; ``None`` until built).
+    """A region's group runners (``by_node``: output name -> runner; ``None`` until built) and its
+    rules' compiled functions (``calls``).
 
     Compiled code is process-local: a deep copy or a pickle starts empty (built again at first use).
     """
@@ -206,6 +207,7 @@ class GroupCache:
     def __init__(self) -> None:
         self.runners: list[GroupRunner] = []
         self.by_node: dict[str, GroupRunner] | None = None
+        self.calls: CompiledCalls | None = None  # the rules' compiled functions (ChunkedRegion.compiled_calls)
 
     def fill(self, runners: list[GroupRunner]) -> None:
         self.runners = runners
@@ -223,10 +225,13 @@ class GroupCache:
         nodes = sum(len(r.group.members) for r in self.runners)
         text = (f"{len(self.runners)} group(s) of local nodes ({nodes} nodes) run compiled, "
                 f"{self.compiled_variants} variant(s) so far")
+        if self.calls is not None and (self.calls.variants or self.calls.failed):
+            text += f"; {len(self.calls.variants)} compiled block-form call(s)"
+            text += f" ({len(self.calls.failed)} function(s) left eager: compile failed)" if self.calls.failed else ""
         return text + (f", {self.failures} left node by node (compile failed)" if self.failures else "")
 
     def __deepcopy__(self, memo: dict) -> "GroupCache":
         return GroupCache()
 
     def __getstate__(self) -> dict:
-        return {"runners": [], "by_node": None}
+        return {"runners": [], "by_node": None, "calls": None}

@@ -139,8 +139,10 @@ def _readout(bs: BlockScan, ev: Any, lo: int, hi: int, h: Optional[Tensor], quer
     left, right = _factors(bs, ev, lo, hi)
     values, keys = (left, right) if contracted == -1 else (right, left)
     decay, is_log = _decays(bs, ev, lo, hi, values)
-    y, _ = block_scan(decay, is_log, values, keys, query, h, contracted, block_length(values.shape[-1], keys.shape[-1]),
-                      bs.backend)
+    args = (decay, is_log, values, keys, query, h, contracted, block_length(values.shape[-1], keys.shape[-1]),
+            bs.backend)
+    # SSD's block form is some thirty small ops: compiled when the program is (one kernel's op otherwise)
+    y, _ = ev.call(block_scan, *args) if is_log else block_scan(*args)
     return y
 
 

@@ -48,6 +48,7 @@ from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.reductions import Reduction
 from gradshard.plans.chunked.rules import AttentionSource, NodeRule
 from gradshard.plans.chunked.windows import chunk_windows
+from gradshard.runtime.compiled import CompiledCalls
 
 __all__ = [
     "RegionOutput", "ChunkEstimate", "ChunkProgram", "Selection", "sample_chunks", "force_selection",
@@ -249,10 +250,12 @@ def grad_leaves(program: ChunkProgram, flat: Sequence[torch.Tensor], needs: Sequ
 
 def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: AttentionStash | None = None,
                 groups: dict[str, Any] | None = None, keep_leaves: dict[int, torch.Tensor] | None = None,
-                needs: Sequence[bool] = ()) -> tuple[list[torch.Tensor], CacheStore, dict[str, Any], KeptChunk | None]:
+                needs: Sequence[bool] = (), calls: CompiledCalls | None = None,
+                ) -> tuple[list[torch.Tensor], CacheStore, dict[str, Any], KeptChunk | None]:
     """Chunked forward without grad: region outputs, the filled cache, loss denominators
     (and, given a ``stash``, each chunk's attention outputs for the backward; ``groups``:
-    compiled runs of local nodes, :mod:`gradshard.plans.chunked.groups`). With ``keep_leaves``
+    compiled runs of local nodes, :mod:`gradshard.plans.chunked.groups`; ``calls``: the rules'
+    compiled functions). With ``keep_leaves``
     (:func:`grad_leaves`) the last chunk runs with grad from them and is returned kept."""
     cache = CacheStore(program.cache_points, program.bounds)
     pieces: dict[str, list[torch.Tensor]] = {o.name: [] for o in program.outputs if o.kind == "time"}
@@ -266,9 +269,9 @@ def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: Attentio
                 cache.grad_mode = True
                 cache.begin_chunk(j)
                 ev = ChunkEvaluator(program, flat, j, cache, grad_inputs=keep_leaves, needs_grad=tuple(needs),
-                                    groups=groups)
+                                    groups=groups, calls=calls)
             else:
-                ev = ChunkEvaluator(program, flat, j, cache, stash=stash, groups=groups)
+                ev = ChunkEvaluator(program, flat, j, cache, stash=stash, groups=groups, calls=calls)
             values: dict[str, torch.Tensor] = {}
             with torch.enable_grad() if keep else contextlib.nullcontext():
                 for o in program.outputs:
@@ -345,7 +348,7 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
         else:
             cache.begin_chunk(j)
             ev = ChunkEvaluator(program, flat, j, cache, grad_inputs=leaves, needs_grad=tuple(needs), stash=stash,
-                                groups=region.group_runners())
+                                groups=region.group_runners(), calls=region.compiled_calls())
             cache_leaves = None
         outs: list[torch.Tensor] = []
         cots: list[torch.Tensor] = []
@@ -415,7 +418,8 @@ class _ChunkedFunction(torch.autograd.Function):
         training = grad_enabled and any(needs)
         stash = AttentionStash() if region.stash_attention and training else None
         leaves = grad_leaves(program, flat, needs) if region.keeps_last_chunk and training else None
-        results, cache, dens, kept = run_forward(program, list(flat), stash, region.group_runners(), leaves, needs)
+        results, cache, dens, kept = run_forward(program, list(flat), stash, region.group_runners(), leaves, needs,
+                                                   region.compiled_calls())
         region.stats["forward_calls"] += 1
         ctx.region = region
         ctx.cache = cache
@@ -478,6 +482,14 @@ class ChunkedRegion(nn.Module):
         if compiler is not self.compiler:
             self.compiler = compiler
             self._groups = GroupCache()
+
+    def compiled_calls(self) -> CompiledCalls | None:
+        """The rules' compiled functions (SSD's block form, ...; built at first use); None without a compiler."""
+        if self.compiler is None:
+            return None
+        if self._groups.calls is None:
+            self._groups.calls = CompiledCalls(self.compiler, self.region_name)
+        return self._groups.calls
 
     def group_runners(self) -> dict[str, GroupRunner] | None:
         """Node name -> the compiled group that runs it (built at first use); None without a compiler."""
