@@ -24,6 +24,8 @@ same graph serves another batch size too (``batch=(B_old, B_new)``).
 narrow bounds, select indices and ``arange`` ends from the facts, then *verifies* the result
 by fake-tensor shape propagation: every node must come out with exactly the shape its facts
 predict, or :class:`RespecializeError` is raised (callers then fall back to capturing again).
+A graph propagated before node for node (same ops, arguments, captured shapes, facts, length
+and batch) replays the stored outcome instead (:mod:`gradshard.passes.respecialize_memo`).
 Integers that encode positions rather than sizes (bounds near the end of the axis) are
 rewritten relative to the end.
 """
@@ -42,6 +44,8 @@ import torch.utils._pytree as pytree
 
 from gradshard.analysis.dims import shape_of
 from gradshard.fake import private_dispatch_cache
+from gradshard.passes.respecialize_memo import (MEMO, Outcome, apply_outcome, propagation_key, record_outcome,
+                                                snapshot_values)
 
 aten = torch.ops.aten
 
@@ -342,12 +346,35 @@ def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
         new.meta = dict(node.meta)
         env[node] = new
     out = fx.GraphModule(gm, new_graph, gm.__class__.__name__)
-    fake_propagate(out, facts, T_new, module_outputs=module_outputs, batch=batch)
+    _verify(out, facts, T_new, batch, module_outputs, keep_values)
     if not keep_values:
         for node in out.graph.nodes:
             for key in _FAKE_VALUE_KEYS:
                 node.meta.pop(key, None)
     return out
+
+
+def _verify(out: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[int, int],
+            module_outputs: Optional[Callable[[fx.Node, list], Any]], keep_values: bool) -> None:
+    """:func:`fake_propagate` ``out``, or replay a propagation of a graph with the same value key
+    (:mod:`gradshard.passes.respecialize_memo`): its refusal, or (``keep_values``) its values."""
+    key = None if module_outputs is not None else propagation_key(out, facts, T_new, batch)
+    stored = MEMO.get(key) if key is not None else None
+    if stored is not None:
+        if stored.error is not None:
+            raise RespecializeError(stored.error)
+        if keep_values:
+            apply_outcome(out, stored)
+        return
+    before = snapshot_values(out) if key is not None else []
+    try:
+        fake_propagate(out, facts, T_new, module_outputs=module_outputs, batch=batch)
+    except RespecializeError as exc:
+        if key is not None:
+            MEMO.put(key, Outcome(error=str(exc)))
+        raise
+    if key is not None:
+        MEMO.put(key, record_outcome(out, before))
 
 
 @contextlib.contextmanager
