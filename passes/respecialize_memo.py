@@ -28,18 +28,19 @@ parameter.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Hashable, Iterator, Mapping, Optional
 
 import torch
 import torch.fx as fx
 
 __all__ = ["Outcome", "PropagationMemo", "MEMO", "MAX_ENTRIES", "propagation_key", "snapshot_values",
-           "record_outcome", "apply_outcome", "clear_memo"]
+           "record_outcome", "apply_outcome", "clear_memo", "fresh_memo"]
 
 MAX_ENTRIES = 1024
 _MISSING = object()
@@ -106,6 +107,22 @@ MEMO = PropagationMemo()
 def clear_memo() -> None:
     """Empty the process-wide memo (:data:`MEMO`)."""
     MEMO.clear()
+
+
+@contextlib.contextmanager
+def fresh_memo() -> Iterator[None]:
+    """Run the block with :data:`MEMO` empty, as in a fresh process, and put its entries back after.
+
+    What a compile costs depends on what earlier compiles left in the memo; the cost model
+    measures (and predicts) the first step of a fresh process, so its compile probes and the
+    first steps it is validated against run inside this."""
+    with MEMO._lock:
+        saved, MEMO._entries = MEMO._entries, OrderedDict()
+    try:
+        yield
+    finally:
+        with MEMO._lock:
+            MEMO._entries = saved
 
 
 # --------------------------------------------------------------------------- the key

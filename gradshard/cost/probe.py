@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import summary
+from ..passes.respecialize_memo import fresh_memo
 from ..capture import capture, flatten_output
 from ..measure import LiveTensorTracker, SavedTensorRecorder, StepFlopCounter, record_saved  # gs.measure's instruments
 from .inputs import (CostProbeError, InputAxes, fake_clone, find_input_axes, real_clone, resize_inputs,
@@ -287,6 +288,7 @@ def _probe_once(target: Any, inputs: tuple, plan: str, options: dict[str, Any], 
     )
 
 
+@fresh_memo()  # the compile of a fresh process: nothing propagated before it
 def _first_step(cm: Any, step: Callable[..., torch.Tensor] | None, inputs: tuple,
                 real_values: dict[int, torch.Tensor] | None, device: torch.device,
                 context: Callable[[], Any] | None) -> FirstStepSample:
@@ -368,6 +370,7 @@ class CompileSample:
     first_step: FirstStepSample
 
 
+@fresh_memo()  # the compile of a fresh process: nothing propagated before it
 def run_compile_probe(target: Any, example_inputs: Sequence[Any], *, plan: str, options: dict[str, Any],
                       axes: InputAxes, batch: int, seq_len: int, time_axis: tuple[int, int] | None = None,
                       frontend: str = "python", mode: str = "auto", dtype: torch.dtype | None = None,

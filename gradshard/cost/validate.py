@@ -25,6 +25,7 @@ from gradshard.errors import GradshardError, summary
 from gradshard.cost.build import cost
 from gradshard.cost.probe import collector_held, make_step, older_objects_frozen
 from gradshard.cost.report import CostReport, bisect_last
+from gradshard.passes.respecialize_memo import fresh_memo
 
 __all__ = ["ValidationRow", "FirstStepRow", "ValidationCase", "VALIDATION_CASES", "validate_plan", "measure_step",
            "measure_first_and_steady",
@@ -133,6 +134,7 @@ def measure_step(factory: Factory, plan: str, options: Mapping[str, Any], seq_le
         return measure(make_step(cm), *inputs, repeat=0)  # the instrumented step only
 
 
+@fresh_memo()  # a fresh process's first step, as the cost model prices it
 def measure_first_and_steady(factory: Factory, plan: str, options: Mapping[str, Any], seq_len: int, batch: int,
                              device: str | torch.device | None = None) -> tuple[Any, Any]:
     """``gs.measure`` of a fresh compiled module's first step (its compile included; the garbage

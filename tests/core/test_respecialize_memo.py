@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.passes.respecialize import DimFact, RespecializeError, respecialize
-from gradshard.passes.respecialize_memo import MEMO, clear_memo
+from gradshard.passes.respecialize_memo import MEMO, clear_memo, fresh_memo
 
 aten = torch.ops.aten
 C = 20  # features: the weight is above the size keyed by value
@@ -139,3 +139,18 @@ def test_a_graph_with_a_call_module_is_not_memoized() -> None:
     respecialize(gm, facts, 8, 10)
     respecialize(gm, facts, 8, 10)
     assert (MEMO.hits, len(MEMO)) == (0, 0)
+
+
+def test_fresh_memo_starts_empty_and_puts_the_entries_back() -> None:
+    """The cost model prices a fresh process's compile: inside ``fresh_memo`` nothing propagated
+    before hits, and what was there is back afterwards."""
+    gm, facts = _graph()
+    respecialize(gm, facts, 8, 10)
+    with fresh_memo():
+        assert len(MEMO) == 0
+        respecialize(gm, facts, 8, 10)
+        respecialize(gm, facts, 8, 12)
+        assert len(MEMO) == 2 and MEMO.misses == 3
+    assert len(MEMO) == 1
+    respecialize(gm, facts, 8, 10)
+    assert MEMO.hits == 1
