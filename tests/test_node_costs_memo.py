@@ -1,5 +1,5 @@
 """Speed-ups of the compile path that must not change a number: per-node FLOPs replayed once per
-distinct signature (``node_costs``), and the cost model's frozen collector (``older_objects_frozen``)."""
+distinct signature (``node_cost`` with a memo), and the cost model's frozen collector (``older_objects_frozen``)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_memoised_costs_equal_replayed_costs_and_replay_each_signature_once(monk
     replays = []
     real = nc._flops
     monkeypatch.setattr(nc, "_flops", lambda n: replays.append(n.name) or real(n))
-    assert nc.node_costs(nodes) == plain
+    memo: dict = {}
+    assert [nc.node_cost(n, memo) for n in nodes] == plain
     # x @ x (one input needing a gradient) and x @ y (two) are different signatures, and so are
     # the constants 0.0 and -0.0; the second of each pair of equal mm nodes is looked up
     assert len(replays) == 4, replays

@@ -2,20 +2,20 @@
 
 FLOPs come from ``torch.utils.flop_counter`` by replaying each node (and its VJP) on
 meta-device stand-ins of the values stored in ``meta['val']``: nothing is computed for real.
-:func:`node_costs` replays each distinct signature once (a layer repeated ``L`` times, or an
-unrolled loop, replays its ops once, not ``L`` times).
+Given a memo, :func:`node_cost` replays each distinct signature once (a layer repeated ``L``
+times, or an unrolled loop, replays its ops once, not ``L`` times).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["NodeCost", "node_cost", "node_costs", "tensor_bytes"]
+__all__ = ["NodeCost", "node_cost", "tensor_bytes"]
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,6 @@ def node_cost(node: fx.Node, memo: Optional[dict] = None) -> NodeCost:
     if flops is None:
         flops = memo[key] = _flops(node)
     return NodeCost(out_bytes, *flops)
-
-
-def node_costs(nodes: Iterable[fx.Node]) -> list[NodeCost]:
-    """:func:`node_cost` of each node, replaying each distinct FLOPs signature once."""
-    memo: dict = {}
-    return [node_cost(n, memo) for n in nodes]
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)

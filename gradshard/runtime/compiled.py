@@ -42,7 +42,7 @@ from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 
 __all__ = ["GraphCompiler", "signature", "graph_structure", "SharedCompiles", "GraphVariants", "RegionGraphs",
-           "CompiledCalls", "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]
+           "CompiledCalls", "trace_and_compile", "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]
 
 #: ``compiler(gm, example_inputs) -> callable`` taking the graph's inputs unboxed (the
 #: ``SegmentCompiler`` protocol of :mod:`gradshard.compose`).
@@ -222,6 +222,17 @@ class RegionGraphs:
         return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False}
 
 
+def trace_and_compile(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
+                      compiler: GraphCompiler) -> Callable[..., Any]:
+    """``fn`` traced to aten ops by ``make_fx`` on detached ``inputs`` (no grad), then compiled by
+    ``compiler`` for them: a differentiable callable taking the inputs unboxed."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.no_grad():
+        gm = make_fx(fn)(*(x.detach() for x in inputs))
+    return compiler(gm, list(inputs))
+
+
 class CompiledCalls:
     """Functions of tensors a rule runs (SSD's block form, ...) traced and compiled at first use.
 
@@ -231,7 +242,9 @@ class CompiledCalls:
     with ``compiler`` (differentiable: a backward recompute differentiates it as it would ``fn``).
     ``fn`` must return tensors or a tuple of them and depend on its arguments alone. A failed
     trace or compile is logged once and that function runs eagerly from then on; past
-    :data:`MAX_GRAPHS` variants (ever new window lengths) new ones run eagerly too.
+    :data:`MAX_GRAPHS` variants (ever new window lengths) new ones run eagerly too. Held by the
+    region's :class:`~gradshard.plans.chunked.groups.GroupCache`, whose copies and pickles start
+    without it (compiled code is process-local).
     """
 
     def __init__(self, compiler: GraphCompiler, owner: str) -> None:
@@ -259,8 +272,6 @@ class CompiledCalls:
         return tuple(out) if isinstance(out, (list, tuple)) else out
 
     def _compile(self, fn: Callable[..., Any], args: Sequence[Any], tensors: list) -> Optional[Callable[..., Any]]:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         def with_fixed(*ts: torch.Tensor) -> Any:
             it = iter(ts)
             return fn(*(next(it) if isinstance(a, torch.Tensor) else a for a in args))
@@ -268,9 +279,7 @@ class CompiledCalls:
         name = getattr(fn, "__qualname__", repr(fn))
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
-                gm = make_fx(with_fixed)(*(t.detach() for t in tensors))
-            compiled = self.compiler(gm, list(tensors))
+            compiled = trace_and_compile(with_fixed, tensors, self.compiler)
         except Exception as exc:  # noqa: BLE001 - the eager function computes the same values
             self.failed.add(fn)
             log.warning("gradshard: could not compile %s's %s (%s); running it eagerly", self.owner, name,
@@ -279,13 +288,6 @@ class CompiledCalls:
         self.compile_seconds += time.perf_counter() - t0
         log.info("gradshard: compiled %s's %s in %.1f s", self.owner, name, time.perf_counter() - t0)
         return compiled
-
-    # compiled code is process-local: copies and pickles start with an empty cache
-    def __deepcopy__(self, memo: dict) -> "CompiledCalls":
-        return CompiledCalls(self.compiler, self.owner)
-
-    def __getstate__(self) -> dict:
-        return {"compiler": None, "owner": self.owner, "variants": {}, "failed": set(), "compile_seconds": 0.0}
 
 
 class LengthCache:

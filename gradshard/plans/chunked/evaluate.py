@@ -28,6 +28,7 @@ from gradshard.errors import GradshardError, UnsupportedGraphError, node_error, 
 from gradshard.plans.chunked.attention import AttentionStash, stash_slot
 from gradshard.plans.chunked.frames import SKIP, Demand, is_empty
 from gradshard.plans.chunked.windows import narrow_window
+from gradshard.runtime.compiled import CompiledCalls
 
 __all__ = ["ChunkEvaluator", "NeedsCache", "FutureRead"]
 
@@ -51,7 +52,7 @@ class ChunkEvaluator:
                  grad_inputs: dict[int, torch.Tensor] | None = None,
                  needs_grad: tuple[bool, ...] = (), dry: bool = False,
                  stash: AttentionStash | None = None, groups: dict[str, Any] | None = None,
-                 calls: Any = None) -> None:
+                 calls: CompiledCalls | None = None) -> None:
         self.program = program
         self.flat = flat
         self.index = index
@@ -75,7 +76,7 @@ class ChunkEvaluator:
         self.stash = stash
         #: node name -> the compiled group running it (groups.py); None: node by node
         self.groups = None if dry else groups
-        #: the rules' compiled functions (:class:`~gradshard.runtime.compiled.CompiledCalls`); None: eager
+        #: the rules' compiled functions; None: eager
         self.calls = None if dry else calls
         #: node name -> the window this chunk computes it on; smaller windows are narrows of it
         self.windows = program.windows(index)

@@ -41,7 +41,7 @@ from gradshard.errors import summary
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import default_run
 from gradshard.plans.chunked.rules_local import _cat_run, _expand_run, _reshape_run
-from gradshard.runtime.compiled import CompiledCalls, GraphCompiler, signature
+from gradshard.runtime.compiled import CompiledCalls, GraphCompiler, signature, trace_and_compile
 
 __all__ = ["LocalGroup", "find_local_groups", "GroupRunner", "GroupCache", "MAX_VARIANTS"]
 
@@ -181,14 +181,9 @@ class GroupRunner:
         return tuple(fn(*vals))
 
     def _compile(self, vals: list[Any], demand: Demand) -> Callable[..., Any] | None:
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         t0 = time.perf_counter()
-        try:
-            plain = [v.detach() if isinstance(v, torch.Tensor) else v for v in vals]
-            with torch.no_grad():
-                gm = make_fx(lambda *xs: self.eval_rules(list(xs), demand))(*plain)
-            fn = self.compiler(gm, list(vals))
+        try:  # every value is a tensor (__call__ checks)
+            fn = trace_and_compile(lambda *xs: self.eval_rules(list(xs), demand), vals, self.compiler)
         except Exception as exc:  # noqa: BLE001 - the per-node path computes the same values
             self.failed = True
             log.warning("gradshard: could not compile %s (%s); running it node by node", self.name, summary(exc))
