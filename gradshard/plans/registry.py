@@ -80,9 +80,10 @@ def _validate(name: str, opts: Any) -> None:
         v = getattr(opts, f, None)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise GradshardError(f"plan {name!r}: {f} must be a positive int, got {v!r}")
-    v = getattr(opts, "recompute_layer_inputs", False)
-    if not isinstance(v, bool):
-        raise GradshardError(f"plan {name!r}: recompute_layer_inputs must be True or False, got {v!r}")
+    for f in ("recompute_layer_inputs", "reuse_input_buffers"):
+        v = getattr(opts, f, False)
+        if not isinstance(v, bool):
+            raise GradshardError(f"plan {name!r}: {f} must be True or False, got {v!r}")
     if getattr(opts, "sampling", "bernoulli") not in ("bernoulli", "fixed"):
         raise GradshardError(f"plan {name!r}: sampling must be 'bernoulli' or 'fixed', got {opts.sampling!r}")
     cap = getattr(opts, "max_compensation", None)

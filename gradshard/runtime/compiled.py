@@ -166,6 +166,9 @@ class RegionGraphs:
         self.compiler: Optional[GraphCompiler] = None
         self._graphs: dict[Hashable, GraphVariants] = {}
         self.capped = False  # MAX_GRAPHS reached: later graphs run eagerly
+        #: whole functions of a shard (several graphs and the kernels between them) traced and
+        #: compiled as one; None without a compiler
+        self.calls: Optional[CompiledCalls] = None
 
     def set_compiler(self, compiler: Optional[GraphCompiler]) -> None:
         """Use ``compiler`` from now on (``None``: run eagerly); a new compiler starts a new cache."""
@@ -173,6 +176,7 @@ class RegionGraphs:
             self.compiler = compiler
             self._graphs.clear()
             self.capped = False
+            self.calls = None if compiler is None else CompiledCalls(compiler, self.owner)
 
     def get(self, key: Hashable, gm: Callable[[], fx.GraphModule]) -> Callable[..., Any]:
         """The callable running graph ``key`` (``gm()`` builds it; called once per key)."""
@@ -192,22 +196,25 @@ class RegionGraphs:
 
     @property
     def compiled_variants(self) -> int:
-        return sum(len(g.variants) for g in self._graphs.values())
+        """Compiled variants of the graphs and of the whole-shard functions."""
+        return sum(len(g.variants) for g in self._graphs.values()) + (len(self.calls.variants) if self.calls else 0)
 
     @property
     def compile_seconds(self) -> float:
-        return sum(g.compile_seconds for g in self._graphs.values())
+        return sum(g.compile_seconds for g in self._graphs.values()) + (self.calls.compile_seconds if self.calls else 0.0)
 
     @property
     def failures(self) -> int:
-        return sum(g.failures for g in self._graphs.values())
+        """Graph variants and whole-shard functions left eager because their compile failed."""
+        return sum(g.failures for g in self._graphs.values()) + (len(self.calls.failed) if self.calls else 0)
 
     def describe(self) -> str:
         """One line for ``explain()``."""
         if self.compiler is None:
             return f"{self.owner}: graphs run eagerly"
         name = getattr(self.compiler, "display_name", getattr(self.compiler, "__name__", "compiler"))
-        text = (f"{self.owner}: {len(self._graphs)} graph(s), {self.compiled_variants} variant(s) compiled by "
+        whole = f" and {len(self.calls.variants)} whole-shard function(s)" if self.calls and self.calls.variants else ""
+        text = (f"{self.owner}: {len(self._graphs)} graph(s){whole}, {self.compiled_variants} variant(s) compiled by "
                 f"{name} ({self.compile_seconds:.1f} s)")
         text += f", {self.failures} left eager (compile failed)" if self.failures else ""
         return text + (f"; more than {MAX_GRAPHS} graphs: the rest run eagerly" if self.capped else "")
@@ -215,11 +222,11 @@ class RegionGraphs:
     # compiled code is process-local: copies and pickles start with an empty cache
     def __deepcopy__(self, memo: dict) -> "RegionGraphs":
         new = RegionGraphs(self.owner)
-        new.compiler = self.compiler
+        new.set_compiler(self.compiler)
         return new
 
     def __getstate__(self) -> dict:
-        return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False}
+        return {"owner": self.owner, "compiler": None, "_graphs": {}, "capped": False, "calls": None}
 
 
 def trace_and_compile(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
@@ -242,9 +249,10 @@ class CompiledCalls:
     with ``compiler`` (differentiable: a backward recompute differentiates it as it would ``fn``).
     ``fn`` must return tensors or a tuple of them and depend on its arguments alone. A failed
     trace or compile is logged once and that function runs eagerly from then on; past
-    :data:`MAX_GRAPHS` variants (ever new window lengths) new ones run eagerly too. Held by the
-    region's :class:`~gradshard.plans.chunked.groups.GroupCache`, whose copies and pickles start
-    without it (compiled code is process-local).
+    :data:`MAX_GRAPHS` variants (ever new window lengths) new ones run eagerly too. Eagerly
+    means ``fallback(*args)`` where given (a caller's other compiled path), else ``fn(*args)``.
+    Held by the region's :class:`~gradshard.plans.chunked.groups.GroupCache` or
+    :class:`RegionGraphs`, whose copies and pickles start without it (compiled code is process-local).
     """
 
     def __init__(self, compiler: GraphCompiler, owner: str) -> None:
@@ -254,19 +262,20 @@ class CompiledCalls:
         self.failed: set[Callable[..., Any]] = set()
         self.compile_seconds = 0.0
 
-    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def __call__(self, fn: Callable[..., Any], *args: Any, fallback: Optional[Callable[..., Any]] = None) -> Any:
+        eager = fallback or fn
         if fn in self.failed:
-            return fn(*args)
+            return eager(*args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         fixed = tuple(None if isinstance(a, torch.Tensor) else ("value", a) for a in args)
         key = (fn, fixed, *signature(tensors))
         compiled = self.variants.get(key)
         if compiled is None:
             if len(self.variants) >= MAX_GRAPHS:
-                return fn(*args)
+                return eager(*args)
             compiled = self._compile(fn, args, tensors)
             if compiled is None:
-                return fn(*args)
+                return eager(*args)
             self.variants[key] = compiled
         out = compiled(*tensors)
         return tuple(out) if isinstance(out, (list, tuple)) else out

@@ -413,3 +413,78 @@ def test_recomputed_layer_input_through_a_halo(conv):
     y = torch.randn(2, 19, 6, dtype=torch.float64, requires_grad=True)
     cm = assert_same_grads(model, (y,), plan="adjoint", shard_size=3, recompute_layer_inputs=True)
     assert "adjoint_1: input" in cm.explain() and "is recomputed in the backward from adjoint_0" in cm.explain()
+
+
+def _tail_node(out: torch.Tensor):
+    """The autograd node of the tail segment's Function behind ``out``."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "LocalSegmentFunctionBackward":
+            return fn
+        todo += [f for f, _ in fn.next_functions]
+    raise AssertionError("no tail segment in the graph")
+
+
+@pytest.mark.parametrize("shard", [5, 64])
+def test_tail_writes_its_input_gradient_over_its_input(shard):
+    """The tail (final norm + head) takes the last layer's output, read by nothing else, and
+    writes that input's gradient over it as its shards finish with the rows: exact, the
+    gradient it returns is the input's own storage, and the step's peak drops."""
+    batch, T, d = 2, 61, 32
+    torch.manual_seed(0)
+    model = SelectiveSSMLM(SSMConfig(vocab_size=37, d_model=d, d_state=3, n_layers=3, scan="gradshard")).double()
+    ids = torch.randint(0, 37, (batch, T), generator=torch.Generator().manual_seed(1))
+    w = torch.randn(batch, T, 37, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    cm = assert_same_grads(model, (ids,), plan="adjoint", shard_size=shard)
+    assert "tail_0: the gradient of input" in cm.explain() and "written over that input's rows" in cm.explain()
+
+    out = cm(ids)
+    tail = _tail_node(out)
+    saved: set[int] = set()
+    same: list[bool] = []
+    tail.register_prehook(lambda g_out: saved.update(t.data_ptr() for t in tail.saved_tensors) or None)
+    tail.register_hook(lambda g_in, g_out: same.append(any(g is not None and g.data_ptr() in saved for g in g_in)))
+    (out * w).sum().backward()
+    assert same == [True]
+
+    def peak(run) -> int:
+        def step(ids: torch.Tensor) -> None:
+            model.zero_grad(set_to_none=True)
+            (run(ids) * w).sum().backward()
+        step(ids)
+        return gs.measure(step, ids).peak_bytes
+
+    kept = gs.compile(model, plan="adjoint", shard_size=shard, reuse_input_buffers=False)
+    kept(ids)
+    assert "written over that input's rows" not in kept.explain()
+    two, one = peak(kept), peak(cm)
+    if shard == 5:  # small shards: the peak is the tail's backward, its input and that input's gradient
+        assert two - one >= batch * T * d * 8 // 2, (two, one)
+    else:  # one shard: the peak is a region's backward (a whole-sequence shard's transients)
+        assert one <= two, (two, one)
+
+
+def test_a_second_backward_through_a_recycled_tail_says_what_to_do():
+    """retain_graph=True and a second backward: the tail's input now holds its gradient, so the
+    error says so and names the option that keeps it -- which then works."""
+    torch.manual_seed(0)
+    model = _lm(2)
+    ids = torch.randint(0, CFG["vocab_size"], (2, 23), generator=torch.Generator().manual_seed(0))
+    out = gs.compile(model, plan="adjoint", shard_size=5)(ids).square().mean()
+    out.backward(retain_graph=True)
+    with pytest.raises(gs.GradshardError, match="reuse_input_buffers=False"):
+        out.backward()
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    out = gs.compile(model, plan="adjoint", shard_size=5, reuse_input_buffers=False)(ids).square().mean()
+    out.backward(retain_graph=True)
+    out.backward()
+    loss = ref(ids).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12)

@@ -1,8 +1,8 @@
 """Composed with a compiler, regions compile what they run per shard (issue 19 point 2).
 
-``adjoint``/``tail`` regions compile their producer, readout and recomputed graphs once per
-window length and input signature, cached on the region; a compile failure leaves that graph
-eager; gradients stay exact (float64, against plain autograd). ``seco`` keeps each chunk's
+``adjoint`` regions compile each per-step shard whole (forward and backward), ``tail`` segments
+and chunked shards their graphs, once per window length and input signature, cached on the
+region; a compile failure leaves that function or graph eager; gradients stay exact (float64, against plain autograd). ``seco`` keeps each chunk's
 attention output for its backward instead of recomputing it. Most tests use ``aot_eager``
 (AOTAutograd without code generation: the same compiled-function boundaries as Inductor);
 one runs Inductor itself.
@@ -20,6 +20,7 @@ import gradshard as gs
 from gradshard.examples import factories
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.runtime import AdjointRegion
+from gradshard.plans.adjoint.shards import forward_shard, shard_vjp
 from gradshard.plans.chunked.runtime import ChunkedRegion
 from gradshard.runtime.compiled import CompiledCalls, GraphVariants, RegionGraphs
 from tests.adjoint.models import DiagonalSSM, SsdNet, init_like_training
@@ -42,7 +43,10 @@ def _step(cm: gs.CompiledModule, x: torch.Tensor) -> None:
     cm(x).square().sum().backward()
 
 
-def test_adjoint_regions_compile_their_graphs_once_per_length_and_mode() -> None:
+def test_adjoint_regions_compile_whole_shards_once_per_window_and_mode() -> None:
+    """Per-step shards run as whole compiled functions: the forward shard (producers, scan,
+    readout) and the backward shard (recompute, readout VJP, adjoint scan, producers' VJP), one
+    variant per window -- the first without a left halo, the full ones, the ragged last one."""
     # conv: a halo of 2 steps, so the first window is shorter than the others; T=11, shard 4: a ragged last shard
     model = init_like_training(DiagonalSSM(d=6, n=3, heads=2, conv=True, h0=True, scan="gradshard"))
     x = _x(2, 11, 6)
@@ -50,22 +54,17 @@ def test_adjoint_regions_compile_their_graphs_once_per_length_and_mode() -> None
     regions = _regions(cm, AdjointRegion)
     assert regions and all(r.graphs.compiler.compiler is aot_eager for r in regions)  # shared by the regions
     for r in regions:
-        keys = set(r.graphs._graphs)
-        # the producers per window length and trim: the first shard's window has no left halo
-        halo = r.io.halo[0]
-        assert ("producer", 4, 0, 4) in keys and ("producer", 4 + halo, halo, 4) in keys
-        assert ("producer", 3 + halo, halo, 3) in keys  # the ragged last shard
-        assert ("readout", 4) in keys and ("readout", 3) in keys  # full and ragged shards
-        # forward (no grad) and backward recompute (grad) of each graph, and for the readout the
-        # layouts of its trimmed inputs (the first window has no left halo): at most four variants
-        assert all(1 <= len(g.variants) <= 4 for g in r.graphs._graphs.values())
-        assert all(len(g.variants) <= 2 for k, g in r.graphs._graphs.items() if k[0] == "producer")
-        assert r.graphs.failures == 0
+        calls, halo = r.graphs.calls, r.io.halo[0]
+        assert not calls.failed and not r.graphs._graphs  # nothing graph by graph
+        windows = {(4, 0, 4), (4 + halo, halo, 4), (3 + halo, halo, 3)}  # (length, start, steps)
+        fwd = {tuple(f[1] for f in key[1][1:4]) for key in calls.variants if key[0] is forward_shard}
+        bwd = {tuple(f[1] for f in key[1][2:5]) for key in calls.variants if key[0] is shard_vjp}
+        assert fwd == windows and bwd == windows, (fwd, bwd)
     before = [r.graphs.compiled_variants for r in regions]
     for _ in range(2):  # later steps run the cached variants: nothing compiles again
         _step(cm, x.clone().requires_grad_())
     assert [r.graphs.compiled_variants for r in regions] == before
-    assert "per-shard graphs: adjoint_0: " in cm.explain()
+    assert "whole-shard function(s)" in cm.explain()
 
 
 def test_tail_segments_compile_their_shards_too() -> None:
@@ -97,9 +96,12 @@ def test_a_graph_the_compiler_refuses_runs_eagerly_and_stays_exact(caplog) -> No
     with caplog.at_level("WARNING", logger="gradshard"):
         cm = assert_exact(model, (ids,), "adjoint", compiler=segments_only, shard_size=4)
     (region,) = _regions(cm, AdjointRegion)
-    assert region.graphs.failures > 0 and region.graphs.compiled_variants == region.graphs.failures
-    assert any("could not compile adjoint_0:producer" in r.getMessage() and "no kernel for this op" in r.getMessage()
-               for r in caplog.records)
+    # the whole-shard functions fail first, then each graph of them: everything runs eagerly
+    assert region.graphs.calls.failed == {forward_shard, shard_vjp} and not region.graphs.calls.variants
+    assert region.graphs._graphs and all(fn is g.gm for g in region.graphs._graphs.values() for fn in g.variants.values())
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("could not compile adjoint_0's forward_shard" in m and "no kernel for this op" in m for m in messages)
+    assert any("could not compile adjoint_0:producer" in m and "no kernel for this op" in m for m in messages)
     assert "left eager (compile failed)" in cm.explain()
 
 

@@ -74,6 +74,10 @@ class AdjointOptions:
     #: every other layer's input recomputed from the layer before (its forward rerun per backward
     #: window), not kept: about half the layer inputs' memory for one more forward per layer pair
     recompute_layer_inputs: bool = False
+    #: the segment after the last region (norm, head, loss) writes its input's gradient over that
+    #: input's rows as its backward shards finish with them; False keeps the input, which a
+    #: second backward through one forward (``retain_graph=True``) needs
+    reuse_input_buffers: bool = True
     #: a region whose state is an outer product read by a contraction (Mamba-2's SSD, linear
     #: attention) runs each shard as chunked linear attention, never forming per-step states
     #: (:mod:`gradshard.plans.adjoint.chunked`); False: per-step scans and the adjoint scan
@@ -90,6 +94,7 @@ class TruncatedAdjointOptions:
     window: int
     shard_size: int = 256
     recompute_layer_inputs: bool = False  # as for plan="adjoint"
+    reuse_input_buffers: bool = True  # as for plan="adjoint"
     #: as for plan="adjoint", on calls with ``window >= T`` (the exact adjoint); shorter windows
     #: truncate the per-step adjoint state, so those calls run the per-step form
     chunked: bool = True

@@ -4,6 +4,9 @@
   alone writes its input's gradient into that buffer (:mod:`gradshard.plans.adjoint.donate`).
 * :func:`chain_layer_inputs` (``recompute_layer_inputs=True``): every other layer's input
   recomputed from the layer before it, not kept.
+* :func:`recycle_segment_inputs` (``reuse_input_buffers=True``, the default): a time-local
+  segment after the last region (the final norm, head and loss) writes its input's gradient over
+  that input's rows, once its shards no longer read them.
 
 Chained inputs. The adjoint plans keep each layer's input (the residual stream, ``B*T*d``) for its backward: at
 long T those inputs are most of what a step keeps. A region's input that is the output of the
@@ -30,7 +33,7 @@ from torch import Tensor
 from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.runtime import AdjointRegion, ChainedInput
 
-__all__ = ["assign_gradient_donors", "chain_layer_inputs"]
+__all__ = ["assign_gradient_donors", "chain_layer_inputs", "recycle_segment_inputs"]
 
 
 def _source_of(x: object, calls: dict[fx.Node, AdjointRegion]) -> tuple[fx.Node, int] | None:
@@ -140,4 +143,33 @@ def assign_gradient_donors(gm: fx.GraphModule) -> list[str]:
                 notes.append(f"{mod.region_name}: the gradient of input `{x.name}` is written into the gradient "
                              f"of output {j} (its gradient comes from `{user.target}` alone): one residual-stream buffer, not two")
                 break
+    return notes
+
+
+def recycle_segment_inputs(gm: fx.GraphModule) -> list[str]:
+    """Mark, per :class:`LocalSegment` of ``gm``, the time-carrying inputs whose storage its backward
+    may take for their gradient (``recycled``); a note per input.
+
+    The segment after the last region (norm, head, loss) keeps its input -- the residual stream --
+    for its backward and returns that input's gradient, a second buffer of the same size, while
+    every earlier region still keeps its own input: at long T that is the step's peak. Shard
+    ``[s, e)``'s backward reads rows ``[s - halo, e)`` of the input and no later shard reads rows
+    ``[s, e)``, so they may take the gradient (:class:`~gradshard.plans.adjoint.donate.DonatedGrad`).
+    Sound when nothing else reads the input: it is a region's readout output (a fresh tensor no
+    region saves), this segment is its only user, and it is passed once."""
+    regions = {n: gm.get_submodule(n.target) for n in gm.graph.nodes
+               if n.op == "call_module" and isinstance(gm.get_submodule(n.target), AdjointRegion)}
+    notes: list[str] = []
+    for call in gm.graph.nodes:
+        if call.op != "call_module" or not isinstance(seg := gm.get_submodule(call.target), LocalSegment):
+            continue
+        seg.recycled = set()
+        for i, (x, d) in enumerate(zip(call.args, seg.input_time_dims)):
+            val = x.meta.get("val") if isinstance(x, fx.Node) else None
+            if (d is None or _source_of(x, regions) is None or len(x.users) != 1 or call.args.count(x) != 1
+                    or not isinstance(val, Tensor) or not val.dtype.is_floating_point):
+                continue
+            seg.recycled.add(i)
+            notes.append(f"{seg.region_name}: the gradient of input `{x.name}` is written over that input's rows "
+                         f"as its shards finish with them (no second residual-stream buffer)")
     return notes

@@ -35,9 +35,11 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from gradshard.errors import GradshardError
 from gradshard.ir import Stage
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
+from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 
 __all__ = ["LocalSegment", "LocalSegmentFunction"]
@@ -84,6 +86,9 @@ class LocalSegment(LengthCache, nn.Module):
         self._cache: dict[int, fx.GraphModule] = {}
         #: the subgraph compiled per shard length (when the program is composed with Inductor)
         self.graphs = RegionGraphs(name)
+        #: time-carrying inputs whose storage the backward takes for their gradient (set by
+        #: :func:`gradshard.plans.adjoint.links.recycle_segment_inputs`)
+        self.recycled: set[int] = set()
 
     def use_graph_compiler(self, compiler: Optional[GraphCompiler]) -> None:
         """Run the per-shard subgraph compiled by ``compiler`` (``None``: eagerly); see
@@ -193,13 +198,17 @@ class LocalSegmentFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
         seg: LocalSegment = ctx.seg
-        inputs = list(ctx.saved_tensors)
+        inputs = _saved_inputs(ctx)
         needs = ctx.needs_input_grad[1:]
         grads_in: list[Optional[Tensor]] = [None] * len(inputs)
         if not any(g is not None for g in grads):
             return (None, *grads_in)
         static = [None if d is not None else (x.detach().requires_grad_(bool(need)) if x.dtype.is_floating_point else x)
                   for x, d, need in zip(inputs, seg.input_time_dims, needs)]
+        # inputs whose rows take their own gradient once no later shard reads them
+        recycled = {i: DonatedGrad(inputs[i].detach(), seg.input_time_dims[i]) for i in sorted(seg.recycled)
+                    if needs[i] and donatable(inputs[i], tuple(inputs[i].shape), inputs[i].dtype, inputs[i].device)}
+        ctx.recycled = bool(recycled)
         shards = seg.shards(ctx.T)
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
@@ -217,13 +226,33 @@ class LocalSegmentFunction(torch.autograd.Function):
             pairs = [(y, _shard_grad(ctx, i, g, td, s, e)) for i, (y, g, td) in enumerate(zip(ys, grads, seg.output_time_dims))
                      if g is not None and isinstance(y, Tensor) and y.requires_grad]
             targets = [i for i, t in enumerate(leaves) if needs[i] and isinstance(t, Tensor) and t.requires_grad]
-            if not pairs or not targets:
-                continue
-            got = torch.autograd.grad([p[0] for p in pairs], [leaves[i] for i in targets], [p[1] for p in pairs],
-                                      allow_unused=True)
-            for i, gv in zip(targets, got):
-                if gv is not None:
+            got: Sequence[Optional[Tensor]] = ()
+            if pairs and targets:
+                got = torch.autograd.grad([p[0] for p in pairs], [leaves[i] for i in targets], [p[1] for p in pairs],
+                                          allow_unused=True)
+            del ys, pairs, leaves
+            shard_grads = {i: gv for i, gv in zip(targets, got) if gv is not None}
+            for i, gv in shard_grads.items():
+                if i not in recycled:
                     add_input_grad(grads_in, i, gv, seg.input_time_dims[i], w, e,
                                    lambda i=i: torch.zeros_like(inputs[i]))
-            del ys, pairs, got
+            for i, buf in recycled.items():  # after the VJP: the shard's recompute read these rows
+                buf.close(s, e, shard_grads.get(i), w, e)
+            del got, shard_grads
+        for i, buf in recycled.items():
+            grads_in[i] = buf.result()
         return (None, *grads_in)
+
+
+def _saved_inputs(ctx: Any) -> list[Tensor]:
+    """The inputs the forward saved; a clear error where an earlier backward wrote a gradient over them."""
+    try:
+        return list(ctx.saved_tensors)
+    except RuntimeError as exc:
+        if not getattr(ctx, "recycled", False):
+            raise
+        raise GradshardError(
+            f"{ctx.seg.region_name}: a second backward through the same forward (retain_graph=True), but the first "
+            "wrote its input's gradient over the input it would recompute from, to save memory. Compile with "
+            "reuse_input_buffers=False to keep the input (one more residual-stream buffer at the backward's peak), "
+            "or run the forward again before each backward") from exc

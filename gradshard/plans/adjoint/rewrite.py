@@ -48,7 +48,7 @@ from gradshard.ir import Region, source_of
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
-from gradshard.plans.adjoint.links import assign_gradient_donors, chain_layer_inputs
+from gradshard.plans.adjoint.links import assign_gradient_donors, chain_layer_inputs, recycle_segment_inputs
 from gradshard.plans.adjoint.chunked import ChunkedForm, block_form_flops, match_chunked_form
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
 from gradshard.plans.adjoint.local import LocalSegment
@@ -628,6 +628,8 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if getattr(opts, "recompute_layer_inputs", False):
         notes += chain_layer_inputs(new)
     notes += assign_gradient_donors(new)
+    if getattr(opts, "reuse_input_buffers", True):
+        notes += recycle_segment_inputs(new)
     new.graph.eliminate_dead_code()
     new.graph.lint()
     new.recompile()

@@ -35,9 +35,12 @@ graph from the checkpoint with grad and takes one VJP with ``dL/dy`` and the car
 The producer/readout graphs carry the captured length in their views; they are
 re-specialised per window length (:mod:`gradshard.plans.adjoint.respecialize`) and cached,
 so a region runs at any sequence length. When the program is composed with Inductor
-(:func:`gradshard.compose.compose_graph` calls ``use_graph_compiler``), every call of those
-graphs goes through :meth:`AdjointRegion.runner`: compiled once per window length and input
-signature (:mod:`gradshard.runtime.compiled`), the backward recompute's variant differentiable.
+(:func:`gradshard.compose.compose_graph` calls ``use_graph_compiler``), a per-step shard runs as
+one compiled function, forward (producers, scan, readout) and backward (recompute, readout VJP,
+adjoint scan, producers' VJP) alike (:mod:`gradshard.plans.adjoint.shards`); the other graphs
+(chunked shards, recomputed inputs, the truncated adjoint's shards) go through
+:meth:`AdjointRegion.runner`: compiled once per window length and input signature
+(:mod:`gradshard.runtime.compiled`), the backward recompute's variant differentiable.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from gradshard.plans.adjoint.chunked import ChunkedForm, chunked_shard_graph
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
 from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
 from gradshard.plans.adjoint.scan import recurrence_for
+from gradshard.plans.adjoint.shards import (adjoint_shard_grads, chunked_shard_grads, compiled_shard_grads,
+                                           forward_shard, forward_shard_graphs, shard_vjp)
 from gradshard.plans.adjoint.truncated import ChunkedTruncation, StepTruncation
 
 __all__ = ["InputRemat", "ChainedInput", "AdjointRegion", "AdjointFunction"]
@@ -288,20 +293,33 @@ class AdjointRegion(LengthCache, nn.Module):
         return self.chunked is not None
 
     def run_shard(self, win: Sequence[Tensor], length: int, start: int, steps: int,
-                  h: Optional[Tensor], chunked: bool) -> tuple[list[Tensor], Tensor]:
+                  h: Optional[Tensor], chunked: bool, how: str = "whole") -> tuple[list[Tensor], Tensor]:
         """The readout outputs of steps ``[start, start + steps)`` of a ``length``-step window of the
         inputs, and the state after them, from state ``h`` (None: the region's initial state);
-        ``chunked``: as one chunked shard graph (:meth:`chunked_at`)."""
+        ``chunked``: as one chunked shard graph (:meth:`chunked_at`). Per-step shards, ``how``:
+        ``"whole"`` (with a compiler and no grad: producers, scan and readout traced and compiled as
+        one function, :func:`~gradshard.plans.adjoint.shards.forward_shard`), ``"graphs"`` (each graph through :meth:`producers_on`
+        and :meth:`runner`) or ``"traced"`` (the graphs themselves: inside the traced function)."""
         if chunked:
             outs = self.shard_on(length, start, steps, h is not None)(*win, *([] if h is None else [h]))
             return list(outs[:-1]), outs[-1]
-        outs = self.producers_on(length, start, steps)(*win)
+        calls = self.graphs.calls
+        if how == "whole" and calls is not None and not torch.is_grad_enabled():
+            *ys, h_end = calls(forward_shard, self, length, start, steps, *win, h, fallback=forward_shard_graphs)
+            # compiled code may hand out the last step as a view of the shard's states: a checkpoint
+            # must not keep them alive
+            if h_end.untyped_storage().nbytes() > h_end.numel() * h_end.element_size():
+                h_end = h_end.clone()
+            return ys, h_end
+        traced = how == "traced"
+        prod = self._trimmed_producer(length, start, steps) if traced else self.producers_on(length, start, steps)
+        outs = prod(*win)
         a, u, h0, rs = self.split(list(outs) if isinstance(outs, (tuple, list)) else [outs])
         if h is None:
             h = state_canon(h0, self.scan.rank)
         ac, uc = self.canon_au(a, u)
         hc = self.rec.scan(ac, uc, h, self.kernel_backend)
-        ys = self.run_readout(self.h_for_readout(hc), rs)
+        ys = self.run_readout(self.h_for_readout(hc), rs, eager=traced)
         return ys, (hc[:, -1].clone() if hc.shape[1] else h)  # a copy: a view would keep the shard alive
 
     def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
@@ -314,8 +332,11 @@ class AdjointRegion(LengthCache, nn.Module):
     def h_for_readout(self, hc: Tensor) -> Tensor:
         return uncanon(hc, self.scan.time_dim, self.scan.rank)
 
-    def run_readout(self, h: Tensor, rs: Sequence[Tensor]) -> list[Tensor]:
-        out = self.runner("readout", int(h.shape[self.scan.time_dim]))(h, *rs)
+    def run_readout(self, h: Tensor, rs: Sequence[Tensor], eager: bool = False) -> list[Tensor]:
+        """The readout on states ``h``; ``eager``: the graph itself, never a compiled variant (inside
+        a function traced whole)."""
+        n = int(h.shape[self.scan.time_dim])
+        out = (self.graph_for("readout", n) if eager else self.runner("readout", n))(h, *rs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     # ---------------------------------------------------------------- stages
@@ -390,37 +411,6 @@ def _scan_kernel_name(kind: str, backend: Optional[str]) -> str:
     if kind == "dense":
         return "torch:dense_linear_scan"
     return f"{backend or 'auto'}:linear_scan"
-
-
-# --------------------------------------------------------------------------- backward pieces
-
-
-def _readout_grads(region: AdjointRegion, hc: Tensor, r_leaves: Sequence[Any], dys: Sequence[Optional[Tensor]],
-                   start: int, final: Optional[Tensor]) -> tuple[Tensor, list[Optional[Tensor]]]:
-    """``dL/dh`` (canonical) for states ``hc`` of steps ``[start, start + len)`` from the readout's VJP
-    with the incoming ``dys``, plus ``final`` (the final state's gradient) at the last step; and the
-    gradients of the readout's producer values ``r_leaves`` (None where not needed)."""
-    sp, io = region.scan, region.io
-    h_leaf = region.h_for_readout(hc).detach().requires_grad_(True)
-    with torch.enable_grad():
-        ys = region.run_readout(h_leaf, r_leaves)
-    n = int(hc.shape[1])
-    pairs = [(y, narrow(dy, td, start, n)) for y, dy, td in zip(ys, dys, io.output_time_dims)
-             if dy is not None and y.requires_grad]
-    wanted = [i for i, r in enumerate(r_leaves) if isinstance(r, Tensor) and r.requires_grad]
-    wrt = [h_leaf, *(r_leaves[i] for i in wanted)]
-    got = (torch.autograd.grad([p[0] for p in pairs], wrt, [p[1] for p in pairs], allow_unused=True)
-           if pairs else [None] * len(wrt))
-    # dense in the scan's step order: a readout VJP may return it transposed (an einsum's layout),
-    # which makes every step of the reverse scan a strided read (1.6x slower on Mamba-2's states)
-    gc = canon(got[0] if got[0] is not None else torch.zeros_like(h_leaf), sp.time_dim, sp.rank).contiguous()
-    if final is not None and n:
-        gc = gc.clone()
-        gc[:, -1] += state_canon(final, sp.rank).to(gc.dtype)
-    d_r: list[Optional[Tensor]] = [None] * len(r_leaves)
-    for i, g in zip(wanted, got[1:]):
-        d_r[i] = g
-    return gc, d_r
 
 
 # --------------------------------------------------------------------------- the Function
@@ -519,10 +509,13 @@ class AdjointFunction(torch.autograd.Function):
                 if window is not None and d_final is not None and e == T - region.window:
                     fix = window.final_correction(state_canon(d_final, sp.rank))
                     d_end = fix if d_end is None else state_canon(d_end, sp.rank).to(fix.dtype) + fix
-                shard_grads, carry = _chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
+                shard_grads, carry = chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
                                                           ws, we, d_end, window, stack)
+            elif sweep is None and region.graphs.calls is not None and shard_vjp not in region.graphs.calls.failed:
+                shard_grads, carry = compiled_shard_grads(region, leaves, needs, ckpts[k], dys, s, e, ws, we, carry,
+                                                           d_final if last else None)
             else:
-                shard_grads, carry = _adjoint_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
+                shard_grads, carry = adjoint_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
                                                           ws, we, carry, d_final if last else None, sweep)
             for i, gv in shard_grads.items():
                 if i not in donated:
@@ -533,104 +526,3 @@ class AdjointFunction(torch.autograd.Function):
         for i, buf in donated.items():
             grads_in[i] = buf.result()
         return (None, *grads_in, *([None] * ctx.n_extra))
-
-
-def _adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
-                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
-                         d_final: Optional[Tensor], sweep: Optional[StepTruncation]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
-    """Shard ``[s, e)`` (window ``[ws, we)``, state checkpoint ``ckpt``; None: the first shard) by the
-    per-step adjoint: the inputs' gradients from one VJP through the producers, and the carry
-    ``dL/dh`` at the shard's start. ``carry`` is the later shard's; ``d_final`` the final state's
-    gradient (last shard only); ``sweep`` the truncated adjoint's gradient correction, else None."""
-    sp = region.scan
-    with torch.enable_grad():
-        outs = region.producers_on(we - ws, s - ws, e - s)(*leaves)
-        prod = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    a, u, h0, rs = region.split(prod)
-    h_start = ckpt if ckpt is not None else state_canon(h0, sp.rank)
-    h_start_d = None if h_start is None else h_start.detach()
-    ac, uc = region.canon_au(a, u)
-    acd = None if ac is None else ac.detach()
-    ucd = uc.detach()
-    r_leaves = [r.detach().requires_grad_(r.requires_grad) if isinstance(r, Tensor) and r.dtype.is_floating_point else r
-                for r in rs]
-    with torch.no_grad():
-        hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
-    gc, d_r = _readout_grads(region, hc, r_leaves, dys, s, d_final)
-    if sweep is not None:  # the windowed lam is the exact adjoint of the corrected gradients
-        gc = sweep.correct(s, acd, gc)
-    da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
-    carry = dh_start
-    del hc, gc  # the shard's states: not needed by the VJP below
-    # one VJP through this shard's producers (parameters and window inputs)
-    outs_v: list[Tensor] = []
-    grads_v: list[Tensor] = []
-    if a is not None and a.requires_grad and da is not None:
-        outs_v.append(a)
-        grads_v.append(uncanon(da, sp.time_dim, sp.rank, a.shape))
-    if u.requires_grad:
-        outs_v.append(u)
-        grads_v.append(uncanon(du, sp.time_dim, sp.rank, u.shape))
-    if ckpt is None and h0 is not None and h0.requires_grad:
-        outs_v.append(h0)
-        grads_v.append(state_uncanon(dh_start, sp.rank).reshape(h0.shape).to(h0.dtype))
-    for r_orig, dr in zip(rs, d_r):
-        if dr is not None and isinstance(r_orig, Tensor) and r_orig.requires_grad:
-            outs_v.append(r_orig)
-            grads_v.append(dr)
-    targets = [(i, leaves[i]) for i in range(len(leaves))
-               if needs[i] and isinstance(leaves[i], Tensor) and leaves[i].requires_grad]
-    shard_grads: dict[int, Tensor] = {}
-    if outs_v and targets:
-        gi = torch.autograd.grad(outs_v, [t for _, t in targets], grads_v, allow_unused=True)
-        shard_grads = {i: gv for (i, _), gv in zip(targets, gi) if gv is not None}
-    return shard_grads, carry
-
-
-def _chunked_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
-                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int,
-                         d_end: Optional[Tensor], window: Optional[ChunkedTruncation] = None,
-                         stack: Optional[Tensor] = None) -> tuple[dict[int, Tensor], Optional[Tensor]]:
-    """Shard ``[s, e)`` run chunked (:mod:`gradshard.plans.adjoint.chunked`): its graph again from
-    its checkpoint ``ckpt`` with grad, one VJP with ``dL/dy`` and ``d_end`` (``dL/dh`` at the shard's
-    end: the later shard's carry or the final state's gradient); returns the inputs' gradients and
-    ``dL/dh`` at the shard's start. ``window``: the truncated adjoint's correction (its shards have
-    state checkpoints ``stack``, canonical: their shape gives the contraction output's)."""
-    io = region.io
-    h_in = None if ckpt is None else ckpt.detach().requires_grad_(True)
-    extra: list[Tensor] = []
-    mode = None
-    if window is not None:
-        mode = "correct" if window.corrects(s) else "keep"
-        state = stack[0]
-        dv = state.shape[2] if region.chunked.contracted == -1 else state.shape[3]
-        probe = torch.zeros(state.shape[0], e - s, state.shape[1], dv, dtype=state.dtype, device=state.device,
-                            requires_grad=True)
-        extra.append(probe)
-        if mode == "correct":
-            extra.append(window.query_next(s, e))
-    with torch.enable_grad():
-        outs = region.shard_on(we - ws, s - ws, e - s, h_in is not None, mode)(
-            *leaves, *([] if h_in is None else [h_in]), *extra)
-    if window is not None:
-        *outs, query, a, y2 = outs
-    *ys, h_end = outs
-    pairs = [(y, narrow(dy, td, s, e - s)) for y, dy, td in zip(ys, dys, io.output_time_dims)
-             if dy is not None and y.requires_grad]
-    if d_end is not None and h_end.requires_grad:
-        pairs.append((h_end, state_canon(d_end, region.scan.rank).to(h_end.dtype)))
-    if mode == "correct" and y2.requires_grad:
-        pairs.append((y2, window.y2_cotangent(s, e, a).to(y2.dtype)))
-    targets = [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.requires_grad]
-    wrt = [leaves[i] for i in targets] + ([h_in] if h_in is not None else []) + extra[:1]
-    if not wrt:  # nothing asks for a gradient (the probe is always there when window is given)
-        return {}, None
-    got = (list(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
-           if pairs else [None] * len(wrt))
-    if window is not None:  # the shards left of this one read its steps, gradient or not
-        d_probe = got.pop()
-        window.keep(s, query, a, torch.zeros_like(extra[0]) if d_probe is None else d_probe)
-    if not pairs:
-        return {}, None
-    grads = {i: g for i, g in zip(targets, got) if g is not None}
-    return grads, (got[-1] if h_in is not None else None)
