@@ -19,7 +19,7 @@ shard's buffers as one. Where its trace or compile fails it runs graph by graph
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -27,8 +27,8 @@ from torch import Tensor
 from gradshard.plans.adjoint.layout import canon, narrow, state_canon, state_uncanon, uncanon
 from gradshard.plans.adjoint.truncated import ChunkedTruncation, StepTruncation
 
-if TYPE_CHECKING:
-    from gradshard.plans.adjoint.runtime import AdjointRegion
+#: an :class:`~gradshard.plans.adjoint.runtime.AdjointRegion` (not imported: that module imports this one)
+AdjointRegion = Any
 
 __all__ = ["readout_grads", "adjoint_shard_grads", "chunked_shard_grads", "forward_shard", "forward_shard_graphs",
            "shard_vjp", "shard_vjp_graphs", "compiled_shard_grads"]
