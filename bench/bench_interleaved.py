@@ -5,8 +5,8 @@ time drifts by more than the differences worth seeing. Here every method is buil
 first, then one step of each runs in turn, ``--repeat`` rounds; the minimum and median per method
 are printed against the first method. The methods are ``bench_compose``'s (``compile``,
 ``gs_adjoint``, ``gs_seco``, ...) plus ``gs_adjoint_graphs``: the adjoint plan with each per-step
-shard run graph by graph instead of as one compiled function (what ran before the whole-shard
-functions). The cross-entropy is inside the compiled module. Nothing is written.
+shard and tail shard run graph by graph instead of as one compiled function (what ran before the
+whole-shard functions). The cross-entropy is inside the compiled module. Nothing is written.
 
     python bench/bench_interleaved.py --model mingru --seq-len 4k --methods compile,gs_adjoint_graphs,gs_adjoint
     python bench/bench_interleaved.py --model hf_mamba2 --seq-len 4k --methods compile,gs_seco --chunk-size 512
@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_compose as bc  # noqa: E402
-from gradshard.plans.adjoint.runtime import AdjointRegion  # noqa: E402
+from gradshard.runtime.compiled import RegionGraphs  # noqa: E402
 
 
 def graph_by_graph(run: Callable[..., Any]) -> Callable[..., Any]:
-    """``run`` (a ``gs.compile``'d adjoint module) with its regions' whole-shard functions switched
-    off after its first call (the compile hands the regions their compiler there)."""
+    """``run`` (a ``gs.compile``'d adjoint module) with its regions' and tail segments' whole-shard
+    functions switched off after its first call (the compile hands them their compiler there)."""
     state = {"first": True}
 
     def call(*args: Any) -> Any:
@@ -39,7 +39,7 @@ def graph_by_graph(run: Callable[..., Any]) -> Callable[..., Any]:
         if state["first"]:
             state["first"] = False
             for m in run.graph.modules():
-                if isinstance(m, AdjointRegion):
+                if isinstance(getattr(m, "graphs", None), RegionGraphs):
                     m.graphs.calls = None
         return out
 

@@ -9,6 +9,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 import gradshard as gs
 from gradshard.examples import factories
+from gradshard.plans.adjoint.local import LocalSegment
 from gradshard.plans.adjoint.runtime import AdjointRegion
 from tests.bench_modules import load_bench
 
@@ -22,7 +23,8 @@ def test_graph_by_graph_switches_the_whole_shard_functions_off_and_stays_exact()
     run = bench.graph_by_graph(cm)
     run(ids).square().mean().backward()  # first call: whole shards, then switched off
     regions = [m for m in cm.graph.modules() if isinstance(m, AdjointRegion)]
-    assert regions and all(r.graphs.calls is None for r in regions)
+    tails = [m for m in cm.graph.modules() if isinstance(m, LocalSegment)]
+    assert regions and tails and all(r.graphs.calls is None for r in regions + tails)
     model.zero_grad(set_to_none=True)
     run(ids).square().mean().backward()  # graph by graph
     assert all(r.graphs._graphs for r in regions)

@@ -210,6 +210,9 @@ class LocalSegmentFunction(torch.autograd.Function):
                     if needs[i] and donatable(inputs[i], tuple(inputs[i].shape), inputs[i].dtype, inputs[i].device)}
         ctx.recycled = bool(recycled)
         shards = seg.shards(ctx.T)
+        calls = seg.graphs.calls
+        whole = calls is not None and segment_vjp not in calls.failed
+        flags = tuple(bool(n) for n in needs)
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             w = seg.window_start(s)
@@ -218,20 +221,16 @@ class LocalSegmentFunction(torch.autograd.Function):
                 if d is None:
                     leaves.append(static[i])
                 else:
-                    x = x.narrow(d, w, e - w).detach().contiguous()
-                    leaves.append(x.requires_grad_(bool(needs[i])) if x.dtype.is_floating_point else x)
-            with torch.enable_grad():  # the shard's own rows of the window's outputs
-                ys = [y if td is None or not isinstance(y, Tensor) else y.narrow(td, s - w, e - s)
-                      for y, td in zip(_as_list(seg.runner(e - w)(*leaves)), seg.output_time_dims)]
-            pairs = [(y, _shard_grad(ctx, i, g, td, s, e)) for i, (y, g, td) in enumerate(zip(ys, grads, seg.output_time_dims))
-                     if g is not None and isinstance(y, Tensor) and y.requires_grad]
-            targets = [i for i, t in enumerate(leaves) if needs[i] and isinstance(t, Tensor) and t.requires_grad]
-            got: Sequence[Optional[Tensor]] = ()
-            if pairs and targets:
-                got = torch.autograd.grad([p[0] for p in pairs], [leaves[i] for i in targets], [p[1] for p in pairs],
-                                          allow_unused=True)
-            del ys, pairs, leaves
-            shard_grads = {i: gv for i, gv in zip(targets, got) if gv is not None}
+                    leaves.append(x.narrow(d, w, e - w).detach().contiguous())
+            cots = [None if g is None else _shard_grad(ctx, i, g, td, s, e)
+                    for i, (g, td) in enumerate(zip(grads, seg.output_time_dims))]
+            fn = segment_vjp if whole else segment_vjp_graphs
+            args = (seg, flags, e - w, s - w, e - s, len(leaves), *(x.detach() if isinstance(x, Tensor) else x for x in leaves),
+                    *cots)
+            got = calls(fn, *args, fallback=segment_vjp_graphs) if whole else fn(*args)
+            targets = _wanted(leaves, flags)
+            del leaves, cots
+            shard_grads = {i: g for i, g in zip(targets, got) if g is not None}
             for i, gv in shard_grads.items():
                 if i not in recycled:
                     add_input_grad(grads_in, i, gv, seg.input_time_dims[i], w, e,
@@ -256,3 +255,43 @@ def _saved_inputs(ctx: Any) -> list[Tensor]:
             "wrote its input's gradient over the input it would recompute from, to save memory. Compile with "
             "reuse_input_buffers=False to keep the input (one more residual-stream buffer at the backward's peak), "
             "or run the forward again before each backward") from exc
+
+
+# --------------------------------------------------------------------------- one backward shard
+
+
+def _wanted(leaves: Sequence[Any], needs: Sequence[bool]) -> list[int]:
+    return [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.dtype.is_floating_point]
+
+
+def _segment_vjp_as(traced: bool, seg: LocalSegment, needs: tuple[bool, ...], length: int, offset: int, steps: int,
+                    n_leaves: int, *args: Optional[Tensor]) -> tuple[Tensor, ...]:
+    """A backward shard of ``seg`` as one function: ``args`` = the window's leaves (``length`` steps,
+    detached) and the cotangent of each output (None where none), the time outputs' on the shard's
+    steps ``[offset, offset + steps)`` of the window. Recomputes the subgraph with grad and returns
+    the gradient of every leaf that needs one (None where none reaches it). ``traced``: on the graph
+    itself (:func:`segment_vjp`), else on its compiled variant (:func:`segment_vjp_graphs`)."""
+    leaves, cots = list(args[:n_leaves]), args[n_leaves:]
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(True) if need and isinstance(x, Tensor) and x.dtype.is_floating_point else x
+                  for x, need in zip(leaves, needs)]
+        run = seg.graph_for(length) if traced else seg.runner(length)
+        ys = [y if td is None or not isinstance(y, Tensor) else y.narrow(td, offset, steps)
+              for y, td in zip(_as_list(run(*leaves)), seg.output_time_dims)]
+        pairs = [(y, g) for y, g in zip(ys, cots) if g is not None and isinstance(y, Tensor) and y.requires_grad]
+        targets = _wanted(leaves, needs)
+        got = (torch.autograd.grad([y for y, _ in pairs], [leaves[i] for i in targets], [g for _, g in pairs],
+                                   allow_unused=True) if pairs and targets else [None] * len(targets))
+    return tuple(got)
+
+
+def segment_vjp(*args: Any) -> tuple[Tensor, ...]:
+    """A tail segment's backward shard traced whole: the recompute and its VJP in one graph
+    (``torch.autograd.grad`` inside ``make_fx``). Arguments as :func:`_segment_vjp_as`'s."""
+    return _segment_vjp_as(True, *args)
+
+
+def segment_vjp_graphs(*args: Any) -> tuple[Tensor, ...]:
+    """:func:`segment_vjp` on the subgraph's compiled variant, autograd around it: without a compiler,
+    or where the whole function is not compiled."""
+    return _segment_vjp_as(False, *args)

@@ -191,7 +191,7 @@ def _shard_vjp_as(traced: bool, region: AdjointRegion, needs: tuple[bool, ...], 
     """A backward shard as one function: ``args`` = the window's leaves (detached), the state
     checkpoint, the later shard's carry, the final state's gradient (None where absent) and the
     outputs' gradients on the shard's rows. Returns the gradient of every leaf that needs one
-    (zeros where none reaches it), then the carry ``dL/dh`` at the shard's start. ``traced``: on the
+    (None where none reaches it), then the carry ``dL/dh`` at the shard's start. ``traced``: on the
     graphs themselves (:func:`shard_vjp`), else on their compiled variants (:func:`shard_vjp_graphs`)."""
     leaves, (ckpt, carry, d_final), dys = list(args[:n_leaves]), args[n_leaves:n_leaves + 3], args[n_leaves + 3:]
     with torch.enable_grad():
@@ -199,8 +199,7 @@ def _shard_vjp_as(traced: bool, region: AdjointRegion, needs: tuple[bool, ...], 
                   for x, need in zip(leaves, needs)]
         grads, carry = adjoint_shard_grads(region, leaves, needs, ckpt, list(dys), 0, steps, -start, length - start,
                                            carry, d_final, None, eager=traced)
-    out = [grads[i] if i in grads else torch.zeros_like(leaves[i]) for i in _wanted(leaves, needs)]
-    return (*out, carry)
+    return (*(grads.get(i) for i in _wanted(leaves, needs)), carry)
 
 
 def shard_vjp(*args: Any) -> tuple[Tensor, ...]:
@@ -230,4 +229,4 @@ def compiled_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequen
     detached = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
     *got, carry = region.graphs.calls(shard_vjp, region, flags, we - ws, s - ws, e - s, len(leaves),
                                       *detached, ckpt, carry, d_final, *dy_rows, fallback=shard_vjp_graphs)
-    return dict(zip(_wanted(detached, flags), got)), carry
+    return {i: g for i, g in zip(_wanted(detached, flags), got) if g is not None}, carry
