@@ -172,9 +172,10 @@ class AdjointRegion(LengthCache, nn.Module):
     def producers_on(self, length: int, start: int, steps: int) -> Any:
         """What runs the producers on a ``length``-step window, their outputs trimmed to the window's
         steps ``[start, start + steps)`` (:func:`shard_producers`)."""
-        return self.graphs.get(("producer", length, start, steps), lambda: self._trimmed_producer(length, start, steps))
+        return self.graphs.get(("producer", length, start, steps), lambda: self.trimmed_producer(length, start, steps))
 
-    def _trimmed_producer(self, length: int, start: int, steps: int) -> fx.GraphModule:
+    def trimmed_producer(self, length: int, start: int, steps: int) -> fx.GraphModule:
+        """The producer graph itself (cached) on a ``length``-step window, trimmed to ``[start, start + steps)``."""
         key = ("producer", length, start, steps)
         g = self._cache.get(key)
         if g is None:  # the untrimmed graph at this length is not kept: nothing runs it
@@ -312,14 +313,14 @@ class AdjointRegion(LengthCache, nn.Module):
                 h_end = h_end.clone()
             return ys, h_end
         traced = how == "traced"
-        prod = self._trimmed_producer(length, start, steps) if traced else self.producers_on(length, start, steps)
+        prod = self.trimmed_producer(length, start, steps) if traced else self.producers_on(length, start, steps)
         outs = prod(*win)
         a, u, h0, rs = self.split(list(outs) if isinstance(outs, (tuple, list)) else [outs])
         if h is None:
             h = state_canon(h0, self.scan.rank)
         ac, uc = self.canon_au(a, u)
         hc = self.rec.scan(ac, uc, h, self.kernel_backend)
-        ys = self.run_readout(self.h_for_readout(hc), rs, eager=traced)
+        ys = self.run_readout(self.h_for_readout(hc), rs, traced=traced)
         return ys, (hc[:, -1].clone() if hc.shape[1] else h)  # a copy: a view would keep the shard alive
 
     def split(self, prod: list[Any]) -> tuple[Optional[Tensor], Tensor, Optional[Tensor], list[Tensor]]:
@@ -332,11 +333,11 @@ class AdjointRegion(LengthCache, nn.Module):
     def h_for_readout(self, hc: Tensor) -> Tensor:
         return uncanon(hc, self.scan.time_dim, self.scan.rank)
 
-    def run_readout(self, h: Tensor, rs: Sequence[Tensor], eager: bool = False) -> list[Tensor]:
-        """The readout on states ``h``; ``eager``: the graph itself, never a compiled variant (inside
+    def run_readout(self, h: Tensor, rs: Sequence[Tensor], traced: bool = False) -> list[Tensor]:
+        """The readout on states ``h``; ``traced``: the graph itself, never a compiled variant (inside
         a function traced whole)."""
         n = int(h.shape[self.scan.time_dim])
-        out = (self.graph_for("readout", n) if eager else self.runner("readout", n))(h, *rs)
+        out = (self.graph_for("readout", n) if traced else self.runner("readout", n))(h, *rs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
     # ---------------------------------------------------------------- stages

@@ -35,14 +35,14 @@ __all__ = ["readout_grads", "adjoint_shard_grads", "chunked_shard_grads", "forwa
 
 
 def readout_grads(region: AdjointRegion, hc: Tensor, r_leaves: Sequence[Any], dys: Sequence[Optional[Tensor]],
-                   start: int, final: Optional[Tensor], eager: bool = False) -> tuple[Tensor, list[Optional[Tensor]]]:
+                  start: int, final: Optional[Tensor], traced: bool = False) -> tuple[Tensor, list[Optional[Tensor]]]:
     """``dL/dh`` (canonical) for states ``hc`` of steps ``[start, start + len)`` from the readout's VJP
     with the incoming ``dys``, plus ``final`` (the final state's gradient) at the last step; and the
     gradients of the readout's producer values ``r_leaves`` (None where not needed)."""
     sp, io = region.scan, region.io
     h_leaf = region.h_for_readout(hc).detach().requires_grad_(True)
     with torch.enable_grad():
-        ys = region.run_readout(h_leaf, r_leaves, eager=eager)
+        ys = region.run_readout(h_leaf, r_leaves, traced=traced)
     n = int(hc.shape[1])
     pairs = [(y, narrow(dy, td, start, n)) for y, dy, td in zip(ys, dys, io.output_time_dims)
              if dy is not None and y.requires_grad]
@@ -63,17 +63,17 @@ def readout_grads(region: AdjointRegion, hc: Tensor, r_leaves: Sequence[Any], dy
 
 
 def adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
-                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
-                         d_final: Optional[Tensor], sweep: Optional[StepTruncation],
-                         eager: bool = False) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+                        dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
+                        d_final: Optional[Tensor], sweep: Optional[StepTruncation],
+                        traced: bool = False) -> tuple[dict[int, Tensor], Optional[Tensor]]:
     """Shard ``[s, e)`` (window ``[ws, we)``, state checkpoint ``ckpt``; None: the first shard) by the
     per-step adjoint: the inputs' gradients from one VJP through the producers, and the carry
     ``dL/dh`` at the shard's start. ``carry`` is the later shard's; ``d_final`` the final state's
     gradient (last shard only); ``sweep`` the truncated adjoint's gradient correction, else None.
-    ``eager``: the graphs themselves, not their compiled variants (inside :func:`shard_vjp`)."""
+    ``traced``: the graphs themselves, not their compiled variants (inside :func:`shard_vjp`)."""
     sp = region.scan
     with torch.enable_grad():
-        run = region._trimmed_producer if eager else region.producers_on
+        run = region.trimmed_producer if traced else region.producers_on
         outs = run(we - ws, s - ws, e - s)(*leaves)
         prod = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     a, u, h0, rs = region.split(prod)
@@ -86,7 +86,7 @@ def adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequenc
                 for r in rs]
     with torch.no_grad():
         hc = region.rec.scan(acd, ucd, h_start_d, region.kernel_backend)
-    gc, d_r = readout_grads(region, hc, r_leaves, dys, s, d_final, eager=eager)
+    gc, d_r = readout_grads(region, hc, r_leaves, dys, s, d_final, traced=traced)
     if sweep is not None:  # the windowed lam is the exact adjoint of the corrected gradients
         gc = sweep.correct(s, acd, gc)
     da, du, dh_start = region.rec.adjoint_shard(acd, ucd, gc, h_start_d, carry, region.kernel_backend, h=hc)
@@ -118,9 +118,9 @@ def adjoint_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequenc
 
 
 def chunked_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
-                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int,
-                         d_end: Optional[Tensor], window: Optional[ChunkedTruncation] = None,
-                         stack: Optional[Tensor] = None) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+                        dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int,
+                        d_end: Optional[Tensor], window: Optional[ChunkedTruncation] = None,
+                        stack: Optional[Tensor] = None) -> tuple[dict[int, Tensor], Optional[Tensor]]:
     """Shard ``[s, e)`` run chunked (:mod:`gradshard.plans.adjoint.chunked`): its graph again from
     its checkpoint ``ckpt`` with grad, one VJP with ``dL/dy`` and ``d_end`` (``dL/dh`` at the shard's
     end: the later shard's carry or the final state's gradient); returns the inputs' gradients and
@@ -179,7 +179,7 @@ def forward_shard(region: AdjointRegion, length: int, start: int, steps: int, *a
 
 
 def forward_shard_graphs(region: AdjointRegion, length: int, start: int, steps: int, *args: Optional[Tensor],
-                          ) -> tuple[Tensor, ...]:
+                         ) -> tuple[Tensor, ...]:
     """:func:`forward_shard` graph by graph (each compiled on its own): where the whole function is not."""
     *win, h = args
     ys, h_end = region.run_shard(list(win), length, start, steps, h, chunked=False, how="graphs")
@@ -198,7 +198,7 @@ def _shard_vjp_as(traced: bool, region: AdjointRegion, needs: tuple[bool, ...], 
         leaves = [x.detach().requires_grad_(True) if need and isinstance(x, Tensor) and x.dtype.is_floating_point else x
                   for x, need in zip(leaves, needs)]
         grads, carry = adjoint_shard_grads(region, leaves, needs, ckpt, list(dys), 0, steps, -start, length - start,
-                                           carry, d_final, None, eager=traced)
+                                           carry, d_final, None, traced=traced)
     return (*(grads.get(i) for i in _wanted(leaves, needs)), carry)
 
 
@@ -220,8 +220,8 @@ def _wanted(leaves: Sequence[Any], needs: Sequence[bool]) -> list[int]:
 
 
 def compiled_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
-                          dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
-                          d_final: Optional[Tensor]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
+                         dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
+                         d_final: Optional[Tensor]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
     """:func:`adjoint_shard_grads` (exact adjoint) run as one compiled function (:func:`shard_vjp`):
     one call per shard instead of a compiled call per graph and autograd between them."""
     dy_rows = [None if dy is None else narrow(dy, td, s, e - s) for dy, td in zip(dys, region.io.output_time_dims)]
