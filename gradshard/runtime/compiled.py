@@ -54,9 +54,15 @@ log = logging.getLogger("gradshard")
 MAX_GRAPHS = 24
 
 
+def _autocast_state() -> tuple:
+    """Autocast on CPU and CUDA (a trace bakes its casts in)."""
+    return tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in ("cpu", "cuda"))
+
+
 def signature(args: Sequence[Any]) -> tuple:
-    """What a compiled variant is specific to: per input its layout and grad flag; the grad mode."""
-    sig: list[Any] = [torch.is_grad_enabled()]
+    """What a compiled variant is specific to: per input its layout and grad flag; the grad mode and
+    the autocast state."""
+    sig: list[Any] = [torch.is_grad_enabled(), _autocast_state()]
     for a in args:
         if isinstance(a, torch.Tensor):
             sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))

@@ -318,3 +318,27 @@ def test_compiled_calls_fix_non_tensors_and_fall_back_when_the_compiler_refuses(
         calls(f, a, 2.0, None)
     assert torch.equal(y, a * 2) and f in calls.failed and not calls.variants
     assert sum("could not compile r's" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_whole_shard_variants_follow_the_autocast_state() -> None:
+    """A trace bakes autocast's casts in: a call under autocast after one without compiles its own
+    variants, and each mode's gradients are the uncomposed plan's in that mode."""
+    model, (ids,) = factories.ssm(n_layers=2, seq_len=13, batch=2)
+    plain = copy.deepcopy(model)
+    composed_cm = gs.compile(model, plan="adjoint", inductor=True, shard_size=4)
+    composed_cm.segment_compiler = aot_eager
+    plain_cm = gs.compile(plain, plan="adjoint", shard_size=4)
+
+    def grads(cm: gs.CompiledModule, owner: torch.nn.Module, autocast: bool) -> list[torch.Tensor]:
+        owner.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = cm(ids)
+        out.float().square().mean().backward()
+        return [p.grad for p in owner.parameters()]
+
+    counts = []
+    for autocast in (False, True, False):
+        for g, want in zip(grads(composed_cm, model, autocast), grads(plain_cm, plain, autocast)):
+            assert torch.allclose(g, want, rtol=1e-3, atol=1e-6), autocast
+        counts.append(sum(len(r.graphs.calls.variants) for r in _regions(composed_cm, AdjointRegion)))
+    assert counts[0] < counts[1] == counts[2]  # autocast's own variants; the third call reuses the first's
