@@ -267,6 +267,7 @@ class CompiledCalls:
         self.variants: dict[tuple, Callable[..., Any]] = {}
         self.failed: set[Callable[..., Any]] = set()
         self.compile_seconds = 0.0
+        self.capped = False  # MAX_GRAPHS reached: later variants run eagerly (or by their fallback)
 
     def __call__(self, fn: Callable[..., Any], *args: Any, fallback: Optional[Callable[..., Any]] = None) -> Any:
         eager = fallback or fn
@@ -278,6 +279,10 @@ class CompiledCalls:
         compiled = self.variants.get(key)
         if compiled is None:
             if len(self.variants) >= MAX_GRAPHS:
+                if not self.capped:
+                    self.capped = True
+                    log.warning("gradshard: %s compiled %d function variants (window lengths); new ones run %s",
+                                self.owner, MAX_GRAPHS, "graph by graph" if fallback else "eagerly")
                 return eager(*args)
             compiled = self._compile(fn, args, tensors)
             if compiled is None:

@@ -152,6 +152,22 @@ def test_a_region_called_at_ever_new_lengths_stops_compiling(monkeypatch) -> Non
     assert isinstance(graphs.get(("producer", 4), lambda: g), GraphVariants)  # known ones stay compiled
 
 
+def test_whole_shard_variants_past_the_cap_run_graph_by_graph(monkeypatch, caplog) -> None:
+    """Past MAX_GRAPHS whole-shard variants a region runs new windows graph by graph (logged once),
+    exactly."""
+    import gradshard.runtime.compiled as compiled
+
+    monkeypatch.setattr(compiled, "MAX_GRAPHS", 3)
+    model = init_like_training(DiagonalSSM(d=6, n=3, heads=2, conv=True, h0=True, scan="gradshard"))
+    with caplog.at_level("WARNING", logger="gradshard"):
+        cm = assert_exact(model, (_x(2, 11, 6),), "adjoint", compiler=aot_eager, shard_size=4)
+    for r in _regions(cm, AdjointRegion):
+        assert len(r.graphs.calls.variants) == 3 and r.graphs.calls.capped and not r.graphs.calls.failed
+        assert r.graphs._graphs  # the windows past the cap, graph by graph
+    assert any("function variants (window lengths); new ones run graph by graph" in rec.getMessage()
+               for rec in caplog.records)
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self, op) -> None:
         super().__init__()
