@@ -207,7 +207,8 @@ class RegionGraphs:
 
     @property
     def compile_seconds(self) -> float:
-        return sum(g.compile_seconds for g in self._graphs.values()) + (self.calls.compile_seconds if self.calls else 0.0)
+        whole = self.calls.compile_seconds if self.calls else 0.0
+        return sum(g.compile_seconds for g in self._graphs.values()) + whole
 
     @property
     def failures(self) -> int:

@@ -203,8 +203,6 @@ class LocalSegmentFunction(torch.autograd.Function):
         grads_in: list[Optional[Tensor]] = [None] * len(inputs)
         if not any(g is not None for g in grads):
             return (None, *grads_in)
-        static = [None if d is not None else (x.detach().requires_grad_(bool(need)) if x.dtype.is_floating_point else x)
-                  for x, d, need in zip(inputs, seg.input_time_dims, needs)]
         # inputs whose rows take their own gradient once no later shard reads them
         recycled = {i: DonatedGrad(inputs[i].detach(), seg.input_time_dims[i]) for i in sorted(seg.recycled)
                     if needs[i] and donatable(inputs[i], tuple(inputs[i].shape), inputs[i].dtype, inputs[i].device)}
@@ -216,20 +214,15 @@ class LocalSegmentFunction(torch.autograd.Function):
         for k in range(len(shards) - 1, -1, -1):
             s, e = shards[k]
             w = seg.window_start(s)
-            leaves: list[Any] = []
-            for i, (x, d) in enumerate(zip(inputs, seg.input_time_dims)):
-                if d is None:
-                    leaves.append(static[i])
-                else:
-                    leaves.append(x.narrow(d, w, e - w).detach().contiguous())
+            # the window's rows of each time-carrying input (contiguous: the graph's views expect it)
+            leaves = [x if d is None else x.narrow(d, w, e - w).contiguous() for x, d in zip(inputs, seg.input_time_dims)]
+            leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
             cots = [None if g is None else _shard_grad(ctx, i, g, td, s, e)
                     for i, (g, td) in enumerate(zip(grads, seg.output_time_dims))]
-            fn = segment_vjp if whole else segment_vjp_graphs
-            args = (seg, flags, e - w, s - w, e - s, len(leaves), *(x.detach() if isinstance(x, Tensor) else x for x in leaves),
-                    *cots)
-            got = calls(fn, *args, fallback=segment_vjp_graphs) if whole else fn(*args)
+            args = (seg, flags, e - w, s - w, e - s, len(leaves), *leaves, *cots)
+            got = calls(segment_vjp, *args, fallback=segment_vjp_graphs) if whole else segment_vjp_graphs(*args)
             targets = _wanted(leaves, flags)
-            del leaves, cots
+            del leaves, cots, args
             shard_grads = {i: g for i, g in zip(targets, got) if g is not None}
             for i, gv in shard_grads.items():
                 if i not in recycled:

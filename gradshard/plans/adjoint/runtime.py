@@ -46,7 +46,7 @@ adjoint scan, producers' VJP) alike (:mod:`gradshard.plans.adjoint.shards`); the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -294,13 +294,15 @@ class AdjointRegion(LengthCache, nn.Module):
         return self.chunked is not None
 
     def run_shard(self, win: Sequence[Tensor], length: int, start: int, steps: int,
-                  h: Optional[Tensor], chunked: bool, how: str = "whole") -> tuple[list[Tensor], Tensor]:
+                  h: Optional[Tensor], chunked: bool,
+                  how: Literal["whole", "graphs", "traced"] = "whole") -> tuple[list[Tensor], Tensor]:
         """The readout outputs of steps ``[start, start + steps)`` of a ``length``-step window of the
         inputs, and the state after them, from state ``h`` (None: the region's initial state);
         ``chunked``: as one chunked shard graph (:meth:`chunked_at`). Per-step shards, ``how``:
         ``"whole"`` (with a compiler and no grad: producers, scan and readout traced and compiled as
-        one function, :func:`~gradshard.plans.adjoint.shards.forward_shard`), ``"graphs"`` (each graph through :meth:`producers_on`
-        and :meth:`runner`) or ``"traced"`` (the graphs themselves: inside the traced function)."""
+        one function, :func:`~gradshard.plans.adjoint.shards.forward_shard`), ``"graphs"`` (each
+        graph through :meth:`producers_on` and :meth:`runner`) or ``"traced"`` (the graphs
+        themselves: inside the traced function)."""
         if chunked:
             outs = self.shard_on(length, start, steps, h is not None)(*win, *([] if h is None else [h]))
             return list(outs[:-1]), outs[-1]
@@ -511,13 +513,13 @@ class AdjointFunction(torch.autograd.Function):
                     fix = window.final_correction(state_canon(d_final, sp.rank))
                     d_end = fix if d_end is None else state_canon(d_end, sp.rank).to(fix.dtype) + fix
                 shard_grads, carry = chunked_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
-                                                          ws, we, d_end, window, stack)
+                                                         ws, we, d_end, window, stack)
             elif sweep is None and region.graphs.calls is not None and shard_vjp not in region.graphs.calls.failed:
                 shard_grads, carry = compiled_shard_grads(region, leaves, needs, ckpts[k], dys, s, e, ws, we, carry,
-                                                           d_final if last else None)
+                                                          d_final if last else None)
             else:
                 shard_grads, carry = adjoint_shard_grads(region, leaves, needs, ckpts[k], dys, s, e,
-                                                          ws, we, carry, d_final if last else None, sweep)
+                                                         ws, we, carry, d_final if last else None, sweep)
             for i, gv in shard_grads.items():
                 if i not in donated:
                     add_input_grad(grads_in, i, gv, io.input_time_dims[i], ws, we,

@@ -169,7 +169,8 @@ def chunked_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequenc
 # --------------------------------------------------------------------------- whole shards, compiled
 
 
-def forward_shard(region: AdjointRegion, length: int, start: int, steps: int, *args: Optional[Tensor]) -> tuple[Tensor, ...]:
+def forward_shard(region: AdjointRegion, length: int, start: int, steps: int,
+                  *args: Optional[Tensor]) -> tuple[Tensor, ...]:
     """A forward shard as one function of its window and starting state (``args[-1]``; None: the
     initial one): producers, scan (the ``linear_scan`` custom op), readout; the readout outputs,
     then the state after the shard. What :meth:`AdjointRegion.run_shard` traces and compiles whole."""
