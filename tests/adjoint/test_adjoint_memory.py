@@ -308,15 +308,15 @@ def test_a_loss_inside_the_model_is_reduced_shard_by_shard(plan, opts, kind):
     assert saved <= want + 1024, (saved, want)  # + the loss's scalars
 
 
-def _region_nodes(out: torch.Tensor) -> list:
-    """The AdjointFunction backward nodes of the autograd graph behind ``out``."""
+def _backward_nodes(out: torch.Tensor, kind: str = "AdjointFunctionBackward") -> list:
+    """The backward nodes of type ``kind`` (an autograd Function's) in the graph behind ``out``."""
     seen, stack, found = set(), [out.grad_fn], []
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ == "AdjointFunctionBackward":
+        if type(node).__name__ == kind:
             found.append(node)
         stack.extend(nxt for nxt, _ in node.next_functions)
     return found
@@ -335,7 +335,7 @@ def test_residual_stream_gradient_is_one_buffer(shard):
 
     shared: list[bool] = []
     out = cm(ids)
-    for node in _region_nodes(out):
+    for node in _backward_nodes(out):
         node.register_hook(lambda g_in, g_out: shared.append(
             any(a is not None and b is not None and a.data_ptr() == b.data_ptr() for a in g_in for b in g_out)))
     out.sum().backward()
@@ -415,20 +415,6 @@ def test_recomputed_layer_input_through_a_halo(conv):
     assert "adjoint_1: input" in cm.explain() and "is recomputed in the backward from adjoint_0" in cm.explain()
 
 
-def _tail_node(out: torch.Tensor):
-    """The autograd node of the tail segment's Function behind ``out``."""
-    seen, todo = set(), [out.grad_fn]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if type(fn).__name__ == "LocalSegmentFunctionBackward":
-            return fn
-        todo += [f for f, _ in fn.next_functions]
-    raise AssertionError("no tail segment in the graph")
-
-
 @pytest.mark.parametrize("shard", [5, 64])
 def test_tail_writes_its_input_gradient_over_its_input(shard):
     """The tail (final norm + head) takes the last layer's output, read by nothing else, and
@@ -443,7 +429,7 @@ def test_tail_writes_its_input_gradient_over_its_input(shard):
     assert "tail_0: the gradient of input" in cm.explain() and "written over that input's rows" in cm.explain()
 
     out = cm(ids)
-    tail = _tail_node(out)
+    (tail,) = _backward_nodes(out, "LocalSegmentFunctionBackward")
     saved: set[int] = set()
     same: list[bool] = []
     tail.register_prehook(lambda g_out: saved.update(t.data_ptr() for t in tail.saved_tensors) or None)

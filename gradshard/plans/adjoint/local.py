@@ -40,7 +40,8 @@ from gradshard.ir import Stage
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
-from gradshard.plans.adjoint.respecialize import DimFact, add_input_grad, respecialize, shard_bounds, time_length
+from gradshard.plans.adjoint.respecialize import (DimFact, add_input_grad, grad_leaves, respecialize, shard_bounds,
+                                                  time_length, wanted_grads)
 
 __all__ = ["LocalSegment", "LocalSegmentFunction"]
 
@@ -221,7 +222,7 @@ class LocalSegmentFunction(torch.autograd.Function):
                     for i, (g, td) in enumerate(zip(grads, seg.output_time_dims))]
             args = (seg, flags, e - w, s - w, e - s, len(leaves), *leaves, *cots)
             got = calls(segment_vjp, *args, fallback=segment_vjp_graphs) if whole else segment_vjp_graphs(*args)
-            targets = _wanted(leaves, flags)
+            targets = wanted_grads(leaves, flags)
             del leaves, cots, args
             shard_grads = {i: g for i, g in zip(targets, got) if g is not None}
             for i, gv in shard_grads.items():
@@ -253,10 +254,6 @@ def _saved_inputs(ctx: Any) -> list[Tensor]:
 # --------------------------------------------------------------------------- one backward shard
 
 
-def _wanted(leaves: Sequence[Any], needs: Sequence[bool]) -> list[int]:
-    return [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.dtype.is_floating_point]
-
-
 def _segment_vjp_as(traced: bool, seg: LocalSegment, needs: tuple[bool, ...], length: int, offset: int, steps: int,
                     n_leaves: int, *args: Optional[Tensor]) -> tuple[Tensor, ...]:
     """A backward shard of ``seg`` as one function: ``args`` = the window's leaves (``length`` steps,
@@ -266,13 +263,12 @@ def _segment_vjp_as(traced: bool, seg: LocalSegment, needs: tuple[bool, ...], le
     itself (:func:`segment_vjp`), else on its compiled variant (:func:`segment_vjp_graphs`)."""
     leaves, cots = list(args[:n_leaves]), args[n_leaves:]
     with torch.enable_grad():
-        leaves = [x.detach().requires_grad_(True) if need and isinstance(x, Tensor) and x.dtype.is_floating_point else x
-                  for x, need in zip(leaves, needs)]
+        leaves = grad_leaves(leaves, needs)
         run = seg.graph_for(length) if traced else seg.runner(length)
         ys = [y if td is None or not isinstance(y, Tensor) else y.narrow(td, offset, steps)
               for y, td in zip(_as_list(run(*leaves)), seg.output_time_dims)]
         pairs = [(y, g) for y, g in zip(ys, cots) if g is not None and isinstance(y, Tensor) and y.requires_grad]
-        targets = _wanted(leaves, needs)
+        targets = wanted_grads(leaves, needs)
         got = (torch.autograd.grad([y for y, _ in pairs], [leaves[i] for i in targets], [g for _, g in pairs],
                                    allow_unused=True) if pairs and targets else [None] * len(targets))
     return tuple(got)

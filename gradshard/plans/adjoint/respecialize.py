@@ -15,7 +15,7 @@ from gradshard.passes.respecialize import (DimFact, Facts, RespecializeError, ex
                                            respecialize, time_facts)
 
 __all__ = ["DimFact", "Facts", "RespecializeError", "time_facts", "respecialize", "expected_shape", "fake_propagate",
-           "time_length", "add_input_grad", "shard_bounds"]
+           "time_length", "wanted_grads", "grad_leaves", "add_input_grad", "shard_bounds"]
 
 
 def time_length(inputs: Sequence[Any], time_dims: Sequence[Optional[int]], who: str) -> int:
@@ -24,6 +24,17 @@ def time_length(inputs: Sequence[Any], time_dims: Sequence[Optional[int]], who: 
         if d is not None:
             return int(x.shape[d])
     raise RuntimeError(f"{who} carries the time axis")
+
+
+def wanted_grads(leaves: Sequence[Any], needs: Sequence[bool]) -> list[int]:
+    """The positions of ``leaves`` a shard's VJP returns a gradient for: floating tensors that need one."""
+    return [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, torch.Tensor) and x.dtype.is_floating_point]
+
+
+def grad_leaves(leaves: Sequence[Any], needs: Sequence[bool]) -> list[Any]:
+    """``leaves`` with those in :func:`wanted_grads` detached and requiring grad (a shard's VJP inputs)."""
+    wanted = set(wanted_grads(leaves, needs))
+    return [x.detach().requires_grad_(True) if i in wanted else x for i, x in enumerate(leaves)]
 
 
 def add_input_grad(grads: list[Optional[torch.Tensor]], i: int, g: torch.Tensor, time_dim: Optional[int],

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from gradshard.plans.adjoint.layout import canon, narrow, state_canon, state_uncanon, uncanon
+from gradshard.plans.adjoint.respecialize import grad_leaves, wanted_grads
 from gradshard.plans.adjoint.truncated import ChunkedTruncation, StepTruncation
 
 #: an :class:`~gradshard.plans.adjoint.runtime.AdjointRegion` (not imported: that module imports this one)
@@ -196,11 +197,10 @@ def _shard_vjp_as(traced: bool, region: AdjointRegion, needs: tuple[bool, ...], 
     graphs themselves (:func:`shard_vjp`), else on their compiled variants (:func:`shard_vjp_graphs`)."""
     leaves, (ckpt, carry, d_final), dys = list(args[:n_leaves]), args[n_leaves:n_leaves + 3], args[n_leaves + 3:]
     with torch.enable_grad():
-        leaves = [x.detach().requires_grad_(True) if need and isinstance(x, Tensor) and x.dtype.is_floating_point else x
-                  for x, need in zip(leaves, needs)]
+        leaves = grad_leaves(leaves, needs)
         grads, carry = adjoint_shard_grads(region, leaves, needs, ckpt, list(dys), 0, steps, -start, length - start,
                                            carry, d_final, None, traced=traced)
-    return (*(grads.get(i) for i in _wanted(leaves, needs)), carry)
+    return (*(grads.get(i) for i in wanted_grads(leaves, needs)), carry)
 
 
 def shard_vjp(*args: Any) -> tuple[Tensor, ...]:
@@ -216,10 +216,6 @@ def shard_vjp_graphs(*args: Any) -> tuple[Tensor, ...]:
     return _shard_vjp_as(False, *args)
 
 
-def _wanted(leaves: Sequence[Any], needs: Sequence[bool]) -> list[int]:
-    return [i for i, x in enumerate(leaves) if needs[i] and isinstance(x, Tensor) and x.dtype.is_floating_point]
-
-
 def compiled_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequence[bool], ckpt: Optional[Tensor],
                          dys: Sequence[Optional[Tensor]], s: int, e: int, ws: int, we: int, carry: Optional[Tensor],
                          d_final: Optional[Tensor]) -> tuple[dict[int, Tensor], Optional[Tensor]]:
@@ -230,4 +226,4 @@ def compiled_shard_grads(region: AdjointRegion, leaves: list[Any], needs: Sequen
     detached = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
     *got, carry = region.graphs.calls(shard_vjp, region, flags, we - ws, s - ws, e - s, len(leaves),
                                       *detached, ckpt, carry, d_final, *dy_rows, fallback=shard_vjp_graphs)
-    return {i: g for i, g in zip(_wanted(detached, flags), got) if g is not None}, carry
+    return {i: g for i, g in zip(wanted_grads(detached, flags), got) if g is not None}, carry
