@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from gradshard.errors import GradshardError
 from gradshard.ir import Stage
+from gradshard.runtime.autocast import AutocastState
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable
@@ -192,12 +193,18 @@ class LocalSegmentFunction(torch.autograd.Function):
         ctx.seg = seg
         ctx.T = T
         ctx.dens = dens
+        ctx.autocast = AutocastState.current()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*inputs)
         return tuple(outputs)  # type: ignore[arg-type]
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        with ctx.autocast.restore():  # the shards are recomputed as the forward ran them
+            return LocalSegmentFunction._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
         seg: LocalSegment = ctx.seg
         inputs = _saved_inputs(ctx)
         needs = ctx.needs_input_grad[1:]

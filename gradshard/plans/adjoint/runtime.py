@@ -53,6 +53,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
+from gradshard.runtime.autocast import AutocastState
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.layout import (RegionIO, ScanSpec, canon, narrow, shard_producers, state_canon,
@@ -456,6 +457,7 @@ class AdjointFunction(torch.autograd.Function):
             result.append(stack)
             ctx.mark_non_differentiable(stack)
         ctx.region = region
+        ctx.autocast = AutocastState.current()
         ctx.T = T
         ctx.n_inputs = len(inputs)
         ctx.n_extra = len(extras)
@@ -467,6 +469,11 @@ class AdjointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
+        with ctx.autocast.restore():  # the shards are recomputed as the forward ran them
+            return AdjointFunction._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
         region: AdjointRegion = ctx.region
         saved = ctx.saved_tensors
         inputs = list(saved[: ctx.n_inputs])

@@ -48,6 +48,7 @@ from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.reductions import Reduction
 from gradshard.plans.chunked.rules import AttentionSource, NodeRule
 from gradshard.plans.chunked.windows import chunk_windows
+from gradshard.runtime.autocast import AutocastState
 from gradshard.runtime.compiled import CompiledCalls
 
 __all__ = [
@@ -422,6 +423,7 @@ class _ChunkedFunction(torch.autograd.Function):
                                                    region.compiled_calls())
         region.stats["forward_calls"] += 1
         ctx.region = region
+        ctx.autocast = AutocastState.current()
         ctx.cache = cache
         ctx.stash = stash
         ctx.dens = dens
@@ -445,7 +447,8 @@ class _ChunkedFunction(torch.autograd.Function):
         selection = region.select()
         region.last_selection = selection
         kept, ctx.kept = ctx.kept, None
-        out = run_backward(region, flat, needs, ctx.cache, ctx.dens, grads, selection, ctx.stash, kept)
+        with ctx.autocast.restore():  # the chunks are recomputed as the forward ran them
+            out = run_backward(region, flat, needs, ctx.cache, ctx.dens, grads, selection, ctx.stash, kept)
         ctx.cache = ctx.stash = None
         return (None, None, *out)
 
