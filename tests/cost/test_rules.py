@@ -75,6 +75,7 @@ def test_registry():
         RULES["none"] = old
 
 
+@pytest.mark.slow  # 66 s on 2 cores (16 probes): the default suite stays under 15 min; `make test-all` runs it
 def test_truncated_adjoint_is_probed_above_its_window():
     """A call its window covers runs the exact adjoint, a longer one the windowed form (its
     buffers of the next window's steps, and on chunked shards a second readout): the probes price the longer calls' form,
