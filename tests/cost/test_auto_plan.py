@@ -50,6 +50,7 @@ def test_approximate_plans_only_when_allowed() -> None:
         price_candidates(model, (ids,), candidates=(TRUNCATED,))
 
 
+@pytest.mark.slow  # the default suite stays under 15 min on 2 cores; `make test-all` runs it (39 s)
 def test_compile_auto_trains_exactly_with_the_chosen_plan() -> None:
     model, ids = _model()
     cm = gs.compile(model, plan="auto", memory_budget="1GB", candidates=(ADJOINT,))

@@ -31,6 +31,7 @@ TOL = 0.10
 FRESH = os.environ.get("GS_FIRST_STEP_FRESH_PROCESS") == "1"
 
 
+@pytest.mark.slow  # the default suite stays under 15 min on 2 cores; `make test-all` runs it (66 s: a fresh process of first-step probes)
 def test_first_step_predictions_in_a_fresh_process() -> None:
     if FRESH:
         return

@@ -24,6 +24,7 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 if not INTERPRETED and not ON_CUDA:
 
+    @pytest.mark.slow  # the default suite stays under 15 min on 2 cores; `make test-all` runs it (33 s under the interpreter)
     def test_fused_lightning_backward_under_interpreter():
         run_under_interpreter(__file__)
 
