@@ -92,6 +92,7 @@ def test_new_shapes_are_recaptured_not_reused():
     assert len(cm._cache) == 2
 
 
+@pytest.mark.slow  # Inductor; tests/compose/test_compose_inductor.py checks plan none under torch.compile in the default suite
 def test_torch_compile_backend():
     torch.manual_seed(0)
     model = SDPABlock().double()
