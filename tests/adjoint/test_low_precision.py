@@ -8,8 +8,13 @@ The default suite runs two cells (adjoint on the SSM in bf16, seco on Llama in f
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+
+import gradshard as gs
+from gradshard.examples import factories
 
 from tests.bench_modules import load_bench
 
@@ -66,11 +71,6 @@ def test_recomputing_plans_rerun_the_forwards_autocast_casts(plan: str, options:
     autocast's (seco's was 2.4x further, 4.6e-2 vs 1.9e-2, when its recompute ran without the
     forward's casts). T = 64: at some lengths (44, 45) this tiny model's float64 gradient is
     ill-conditioned in bfloat16 (eager 7.6e-2, every plan 0.26, seco and adjoint alike)."""
-    import copy
-
-    import gradshard as gs
-    from gradshard.examples import factories
-
     model, (ids,) = factories.ssm(seq_len=64, batch=1)
     reference = copy.deepcopy(model).double()
     reference(ids).square().mean().backward()
