@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
+from gradshard.runtime.autocast import AutocastState
 
 __all__ = ["GraphCompiler", "signature", "graph_structure", "SharedCompiles", "GraphVariants", "RegionGraphs",
            "CompiledCalls", "trace_and_compile", "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]
@@ -54,15 +55,10 @@ log = logging.getLogger("gradshard")
 MAX_GRAPHS = 24
 
 
-def _autocast_state() -> tuple:
-    """Autocast on CPU and CUDA (a trace bakes its casts in)."""
-    return tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in ("cpu", "cuda"))
-
-
 def signature(args: Sequence[Any]) -> tuple:
     """What a compiled variant is specific to: per input its layout and grad flag; the grad mode and
-    the autocast state."""
-    sig: list[Any] = [torch.is_grad_enabled(), _autocast_state()]
+    the autocast state (a trace bakes its casts in)."""
+    sig: list[Any] = [torch.is_grad_enabled(), AutocastState.current()]
     for a in args:
         if isinstance(a, torch.Tensor):
             sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
