@@ -60,6 +60,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .ir import graph_module
 from .errors import GradshardError, node_error, summary
 from .runtime.compiled import RegionGraphs, SharedCompiles, signature
 from .schedule import Program
@@ -156,7 +157,7 @@ def _step_graph(gm: fx.GraphModule, nodes: Sequence[fx.Node], inputs: Sequence[f
     for n in nodes:
         env[n] = g.node_copy(n, lookup)
     g.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(gm, g, class_name="GradshardStep")
+    return graph_module(gm, g, "GradshardStep")
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[..., Any]:

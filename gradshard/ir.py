@@ -9,9 +9,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import torch
 import torch.fx as fx
 
-__all__ = ["SourceLoc", "Region", "PassRecord", "Stage", "source_of"]
+try:  # Inductor's own graph modules: Python code generated at the first call, not at construction
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModuleClass
+except ImportError:  # pragma: no cover - an older torch: code generated at construction
+    _GraphModuleClass = fx.GraphModule
+
+__all__ = ["SourceLoc", "Region", "PassRecord", "Stage", "source_of", "graph_module"]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
 _INTERNAL = ("/torch/", "/gradshard/", "/passes/", "/kernels/", "<eval_with_key>")
@@ -102,3 +108,11 @@ class Stage:
     flops: int = 0
     kernel: str = "torch"
     note: str = ""
+
+
+def graph_module(root: torch.nn.Module | dict, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
+    """A graph module of ``graph`` (attributes from ``root``) whose Python code is generated when it
+    is first called or printed, not here: most graphs a compile builds (checks, proofs, shape
+    propagations at other lengths) are only walked node by node, and generating and compiling the
+    code of each took a fifth of a compile."""
+    return _GraphModuleClass(root, graph, class_name)

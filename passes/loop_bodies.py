@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.errors import node_error
 from gradshard.ops.rolled_body import RolledBody
 from gradshard.pipeline import ancestors
@@ -121,7 +122,7 @@ def body_graph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[Any],
     for fn in extra or []:
         outs = fn(g, outs)
     g.output(tuple(outs))
-    return fx.GraphModule(torch.nn.Module(), g, "LoopBody")
+    return graph_module(torch.nn.Module(), g, "LoopBody")
 
 
 _RUNNING_MAX = (aten.maximum.default, aten.max.other, aten.fmax.default)

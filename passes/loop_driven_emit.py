@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.errors import node_error
 from gradshard.fake import fake_run
 from gradshard.ops.carried_loop import CarriedLoop, run_carried_loop
@@ -166,7 +167,7 @@ def _cut_body(loop: DrivenLoop, roots: list[Any], fed: dict[fx.Node, tuple[fx.No
             env[n] = g.node_copy(n, env.__getitem__)
     outs = [env[r] if isinstance(r, fx.Node) else r for r in roots]
     g.output(tuple(extra(g, outs) if extra else outs))
-    return fx.GraphModule(torch.nn.Module(), g, "LoopBody"), graph_inputs, in_dims
+    return graph_module(torch.nn.Module(), g, "LoopBody"), graph_inputs, in_dims
 
 
 def _scan_layout(states: tuple[LinearState, ...], pack: _Pack) -> Callable:

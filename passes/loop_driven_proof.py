@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.errors import node_error
 from gradshard.pipeline import ancestors
 
@@ -46,7 +47,7 @@ def _subgraph(gm: fx.GraphModule, inputs: list[fx.Node], nodes: set[fx.Node], ou
         if n in nodes and n not in env:
             env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 def _outside_inputs(gm: fx.GraphModule, members: set[fx.Node]) -> list[fx.Node]:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.fake import fake_run
 from gradshard.pipeline import ancestors, copy_graph
 
@@ -17,7 +18,7 @@ aten = torch.ops.aten
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copy of ``gm``'s graph (same node names and meta)."""
-    new = fx.GraphModule(gm, copy_graph(gm), gm.__class__.__name__)
+    new = graph_module(gm, copy_graph(gm), gm.__class__.__name__)
     for k, v in getattr(gm, "meta", {}).items():
         new.meta[k] = v
     return new

@@ -49,6 +49,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
 
 from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes
@@ -243,7 +244,7 @@ def _region_callable(gm: fx.GraphModule, nodes: frozenset[fx.Node], ins: list[fx
         if n in nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[o] for o in outs))
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 def _role_of(roles: dict[str, fx.Node], node: fx.Node) -> str:

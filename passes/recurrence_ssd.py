@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.analysis.consts import evaluate_constant
 from gradshard.analysis.dims import shape_of
 
@@ -197,7 +198,7 @@ def _subgraph(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node, sourc
         return env[n]
 
     g.output(copy(exit_node))
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 _PADS = (aten.constant_pad_nd.default, aten.pad.default)

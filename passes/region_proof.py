@@ -16,6 +16,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
+
 aten = torch.ops.aten
 
 __all__ = ["MAX_EVAL_ELEMENTS", "constant_value", "grad_free_constant", "is_data", "proof_tolerance",
@@ -103,7 +105,7 @@ def region_subgraph(gm: fx.GraphModule, inputs: Iterable[fx.Node], nodes: Iterab
         if n in members:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[output])
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 def to_f64(x: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from gradshard.ir import graph_module
 from gradshard.analysis.dims import shape_of
 from gradshard.fake import private_dispatch_cache
 from gradshard.passes.respecialize_memo import (MEMO, Outcome, apply_outcome, propagation_key, record_outcome,
@@ -345,7 +346,7 @@ def respecialize(gm: fx.GraphModule, facts: Facts, T_old: int, T_new: int, *,
             new = new_graph.node_copy(node, lambda a: env[a])
         new.meta = dict(node.meta)
         env[node] = new
-    out = fx.GraphModule(gm, new_graph, gm.__class__.__name__)
+    out = graph_module(gm, new_graph, gm.__class__.__name__)
     _verify(out, facts, T_new, batch, module_outputs, keep_values)
     if not keep_values:
         for node in out.graph.nodes:

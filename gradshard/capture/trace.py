@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils import stateless
 
+from gradshard.ir import graph_module
 from gradshard.capture.canonical import canonicalize
 from gradshard.capture.mutations import functionalize_buffer_updates
 from gradshard.errors import CaptureError, first_line, summary
@@ -355,7 +356,7 @@ def _symbolic(module: nn.Module) -> nn.Module:
             "  instead: use frontend='python' (follows Python control flow at the example "
             "shapes) or frontend='dynamo'."
         ) from exc
-    return fx.GraphModule(module, graph, type(module).__name__)
+    return graph_module(module, graph, type(module).__name__)
 
 
 def _dynamo(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:

@@ -68,7 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gradshard.analysis.dims import shape_of
 from gradshard.capture import state_key
 from gradshard.errors import GradshardError, first_line
-from gradshard.ir import PassRecord
+from gradshard.ir import PassRecord, graph_module
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
 from gradshard.passes.respecialize import RespecializeError, call_sizes, cut_call, respecialize, time_facts
@@ -152,7 +152,7 @@ def record_length_generic(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for ph in gm.graph.find_nodes(op="placeholder"):
         if ph not in inputs and ph.name in facts:  # parameters, buffers (a RoPE table): same at any length
             facts[ph.name] = (None,) * len(facts[ph.name])
-    kept = fx.GraphModule(gm, copy_graph(gm), gm.__class__.__name__)
+    kept = graph_module(gm, copy_graph(gm), gm.__class__.__name__)
     ctx.plan_state[STATE_KEY] = LengthGeneric(kept, facts, T, {ph.name: d for ph, d in inputs.items()}, B, batch_inputs)
     also = (f" or another batch size (captured at {B})" if B is not None else
             " (a new batch size is captured again: the inputs have no batch dim of two or more rows apart from time)")

@@ -38,6 +38,7 @@ from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequ
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
 from gradshard.runtime.autocast import AutocastState
@@ -125,7 +126,7 @@ class SharedCompiles:
 
 def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with its own graph (compilers may change the graph they are given)."""
-    return fx.GraphModule(gm, copy_graph(gm), class_name=type(gm).__name__)
+    return graph_module(gm, copy_graph(gm), type(gm).__name__)
 
 
 class GraphVariants:

@@ -46,6 +46,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.ops.lightning import block_scan, decay_per_head
 from gradshard.analysis.outer_scan import (
     block_length, decays_over_state, log_decay, log_decay_per_step, node_shape, outer_left, state_contraction)
@@ -240,7 +241,7 @@ def chunked_shard_graph(producer: fx.GraphModule, readout: fx.GraphModule, form:
             continue
         copy_r(n)
     g.eliminate_dead_code()
-    return fx.GraphModule(attrs, g, class_name="ChunkedShard")
+    return graph_module(attrs, g, "ChunkedShard")
 
 
 def _as_contraction(y: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:

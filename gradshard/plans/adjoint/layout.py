@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch.fx as fx
 from torch import Tensor
 
+from gradshard.ir import graph_module
 from gradshard.pipeline import copy_graph
 
 __all__ = ["ScanSpec", "RegionIO", "canon", "uncanon", "state_canon", "state_uncanon", "narrow", "trim",
@@ -129,4 +130,4 @@ def shard_producers(gm: fx.GraphModule, io: RegionIO, scan: ScanSpec, start: int
                 v = graph.call_function(step_major, (v, scan.time_dim))
             vals[i] = v
     out.args = (vals[0] if single else tuple(vals),)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return graph_module(gm, graph, type(gm).__name__)

@@ -44,7 +44,7 @@ import torch.fx as fx
 from gradshard.analysis.node_costs import node_cost
 from gradshard.analysis.effects import draws_random_numbers
 from gradshard.errors import UnsupportedGraphError, node_error, summary
-from gradshard.ir import Region, source_of
+from gradshard.ir import Region, source_of, graph_module
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
 from gradshard.pipeline import PassContext, PassResult, graph_pass
@@ -89,7 +89,7 @@ def _subgraph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
             continue
         env[n] = g.node_copy(n, arg)
     g.output(tuple(env[o] if o is not None else None for o in outputs))
-    gm = fx.GraphModule(root, g, name)
+    gm = graph_module(root, g, name)
     return gm
 
 

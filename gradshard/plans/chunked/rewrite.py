@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from gradshard.ir import graph_module
 from gradshard.plans.chunked.plan import hoisted_subgraph, outer_nodes
 from gradshard.pipeline import PassContext, PassResult, graph_pass
 from gradshard.plans.chunked.runtime import ChunkedRegion
@@ -62,7 +63,7 @@ def rewrite_chunked(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             root[node.target] = getattr(gm, node.target)
     out = next(iter(gm.graph.find_nodes(op="output")))
     graph.output(fx.node.map_arg(out.args[0], lambda a: env[a.name]), type_expr=out.type)
-    new_gm = fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    new_gm = graph_module(root, graph, type(gm).__name__)
     notes = (f"{name}: {program.num_chunks} chunk(s) of {program.chunk_size} steps, "
              f"{len(program.cache_points)} cache point(s), {len(program.outputs)} region output(s)",)
     return PassResult(new_gm, changed=True, notes=notes)

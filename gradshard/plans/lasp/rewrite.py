@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.errors import GradshardError, node_error
-from gradshard.ir import Region
+from gradshard.ir import Region, graph_module
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass
 
 from gradshard.passes.detect_linear_attention import KIND, analyze_linear_attention
@@ -129,7 +129,7 @@ def rewrite_lasp(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     signature = (len(findings), sum(states), len(params), sum(p[1].numel() for p in params), len(halos))
 
     new_graph = copy_graph(gm)
-    new_gm = fx.GraphModule(gm, new_graph)
+    new_gm = graph_module(gm, new_graph)
     nodes = {n.name: n for n in new_graph.nodes}
     notes = [group.describe()]
     layers: list[LaspLayer] = []

@@ -39,7 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from gradshard.errors import GradshardError, node_error
-from gradshard.ir import Stage
+from gradshard.ir import Stage, graph_module
 from gradshard.pipeline import PassContext, PassResult, copy_graph, graph_pass
 from gradshard.plans.partial_update.layout import SliceLayout
 from gradshard.plans.partial_update.sliced import SlicedLinear
@@ -104,7 +104,7 @@ def rewrite_partial_update(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             f"Use plan='none' for full training, or check that the model calls F.linear / nn.Linear"
         )
     new_graph = copy_graph(gm)
-    new_gm = fx.GraphModule(gm, new_graph)
+    new_gm = graph_module(gm, new_graph)
     values = _placeholder_values(gm, ctx)
     by_name = {n.name: n for n in new_graph.nodes}
 
