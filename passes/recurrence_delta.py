@@ -48,7 +48,8 @@ from gradshard.fake import fake_run
 from gradshard.pipeline import PassContext, PassResult, ancestors, descendants, graph_pass
 
 from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes, time_from_dim1, time_to_dim1
-from gradshard.passes.region_proof import constant_value, grad_free_constant, is_data, proof_tolerance, region_subgraph, to_f64
+from gradshard.passes.region_proof import (constant_value, exact_arithmetic, grad_free_constant, is_data, proof_tolerance,
+                                           region_subgraph, to_f64)
 
 aten = torch.ops.aten
 
@@ -268,22 +269,18 @@ def _prove(gm: fx.GraphModule, region: _Region, exit_: fx.Node, known: dict[str,
             small = [i for i, s in enumerate(src) if s.dim() < max(x.dim() for x in src)]
             src[small[0]], src[small[1]] = src[small[1]], src[small[0]]
         try:
-            with torch.no_grad():  # in float64: the proof does not depend on the model's dtype
+            with exact_arithmetic():  # in float64: the proof does not depend on the model's dtype or casts
                 run = region_subgraph(gm, (*region.sources, *region.consts), region.nodes, exit_)
                 got = run(*src, *[to_f64(c) for c in consts])
         except Exception:  # noqa: BLE001 - a region that does not run on its own is not claimed
             return None
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != out_shape or not torch.isfinite(got).all():
             return None
-        if got.dtype != torch.float64:  # the region casts to a lower precision itself
-            if torch.finfo(got.dtype).eps > torch.finfo(torch.float32).eps:
-                return None
-            tol = max(tol, 100 * torch.finfo(torch.float32).eps)
-        got = _canonical(got.to(torch.float64), td)
+        got = _canonical(got, td)
         for roles in options:
             if src[roles["beta"]].min() <= 0 or src[roles["g"]].max() >= 0:
                 continue  # try only the assignment that gets β and g their ranges
-            with torch.no_grad():
+            with exact_arithmetic():
                 want = delta_rule_reference(*(_canonical(src[roles[x]], td) for x in _ROLES))
             scale = float(want.abs().max())
             if scale > 0 and float((got - want).abs().max()) <= tol * scale:

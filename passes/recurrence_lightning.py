@@ -44,7 +44,8 @@ from gradshard.pipeline import ancestors, descendants
 from gradshard.passes.linear_attention_spec import TensorLayout, layout_for
 from gradshard.passes.recurrence_graph import emit_node, live_nodes
 from gradshard.passes.region_proof import (
-    MAX_EVAL_ELEMENTS, constant_value, grad_free_constant, is_data, proof_tolerance, region_subgraph, to_f64)
+    MAX_EVAL_ELEMENTS, constant_value, exact_arithmetic, grad_free_constant, is_data, proof_tolerance, region_subgraph,
+    to_f64)
 
 aten = torch.ops.aten
 
@@ -281,18 +282,14 @@ def _prove(gm: fx.GraphModule, region: _Region, cat: fx.Node,
     src_vals = [torch.randn(shape_of(s), generator=gen, dtype=torch.float64).div(math.sqrt(shape_of(s)[-1]))
                 for s in region.sources]
     try:
-        with torch.no_grad():  # in float64: the proof does not depend on the model's dtype
+        with exact_arithmetic():  # in float64: the proof does not depend on the model's dtype or casts
             run = region_subgraph(gm, (*region.sources, *region.consts), region.nodes, cat)
             got = run(*src_vals, *[to_f64(const_values[c]) for c in region.consts])
     except Exception:  # noqa: BLE001 - a region that does not run on its own is not claimed
         return None
     if not isinstance(got, torch.Tensor) or got.shape != torch.Size(out_shape) or not torch.isfinite(got).all():
         return None
-    if got.dtype != torch.float64:  # the region casts to a lower precision itself
-        if torch.finfo(got.dtype).eps > torch.finfo(torch.float32).eps:
-            return None
-        tol = max(tol, 100 * torch.finfo(torch.float32).eps)
-    got = out_layout.to_canonical(got.to(torch.float64))
+    got = out_layout.to_canonical(got)
     o_canon = _canonical_shape(out_shape, out_layout)
     candidates: dict[int, list[tuple[DecayRead, Optional[torch.Tensor]]]] = {}
     for iq, ik, iv in itertools.permutations(range(3)):

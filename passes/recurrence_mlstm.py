@@ -23,14 +23,14 @@ viewed in blocks ``(B, H, L/c, c)``, the five tensors viewed in the same blocks 
 previous such region (q, k, v, i, f), the nodes in graph order from their first use to the view
 merging the block outputs back to ``(B, H, L, d)``, and the reads of the state buffers right
 after it (the final ``C``, ``n``, ``m``, where used). It then *proves* the region: cut out and
-run in float64 on random ``q, k, v, i, f`` and random initial states, it must match
+run in float64 (its casts widened too) on random ``q, k, v, i, f`` and random initial states, it must match
 :func:`mlstm_step_reference` (relative error <= ``PROOF_TOL``) for one assignment of roles the
 shapes allow and one ``(scale, eps)`` among the region's literals; nothing is rewritten
 otherwise. When the block outputs are concatenated along time with the outputs of the steps
 after the last whole block (the kernel's tail, started from its final states), the region
 grows to that concatenation, read from the full-length inputs, and is proven again with the
-proven ``scale``/``eps`` (to ``TAIL_TOL`` where the tail carries its states in float32, as
-``inference_state_dtype`` makes it: the rewrite computes that tail in the inputs' precision).
+proven ``scale``/``eps`` (a tail carrying its states in float32, as ``inference_state_dtype``
+makes it, is proven in float64 like the rest: the rewrite computes it in the inputs' precision).
 
 The region is replaced by the step recurrence written out step by step (the form of
 ``mlstm_recurrent_step_native``, in the inputs' precision; final states, where used, read from
@@ -49,11 +49,10 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from gradshard.ir import graph_module
 from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
 
 from gradshard.passes.recurrence_graph import copy_graph_module, emit_node, live_nodes
-from gradshard.passes.region_proof import MAX_EVAL_ELEMENTS
+from gradshard.passes.region_proof import MAX_EVAL_ELEMENTS, exact_arithmetic, region_subgraph
 
 aten = torch.ops.aten
 
@@ -62,8 +61,6 @@ __all__ = ["MlstmRegion", "match_chunkwise_mlstm", "mlstm_step_reference",
 
 #: The proof's tolerance (relative to each output's largest entry) in float64.
 PROOF_TOL = 1e-9
-#: The tolerance for a tail that carries its states in float32 (``dtype_state``): 100 eps(float32).
-TAIL_TOL = 100 * torch.finfo(torch.float32).eps
 
 _ROLES_IN = ("q", "k", "v", "i", "f", "C0", "n0", "m0")
 _ROLES_OUT = ("h", "C", "n", "m")
@@ -218,8 +215,8 @@ def _prove(gm: fx.GraphModule, comp: set[fx.Node], ins: list[fx.Node], outs: lis
             x = torch.randn(shape, generator=gen, dtype=f64)
             vals[name] = x + 2.0 if name == "f" else x  # forget gates mostly open, as trained models have
         try:
-            with torch.no_grad():  # in float64: the proof does not depend on the model's dtype
-                got = _region_callable(gm, nodes, ins, list(oroles.values()))(*[vals[_role_of(roles, n)] for n in ins])
+            with exact_arithmetic():  # in float64: the proof does not depend on the model's dtype or casts
+                got = region_subgraph(gm, ins, nodes, list(oroles.values()))(*[vals[_role_of(roles, n)] for n in ins])
         except Exception:  # noqa: BLE001 - a region that does not run on its own is not claimed
             return None
         if not all(isinstance(x, torch.Tensor) and x.dtype == f64 and torch.isfinite(x).all() for x in got):
@@ -233,18 +230,6 @@ def _prove(gm: fx.GraphModule, comp: set[fx.Node], ins: list[fx.Node], outs: lis
                        for a, b in zip(got, want)):
                     return MlstmRegion(dict(roles), dict(oroles), nodes, scale, eps)
     return None
-
-
-def _region_callable(gm: fx.GraphModule, nodes: frozenset[fx.Node], ins: list[fx.Node],
-                     outs: list[fx.Node]) -> fx.GraphModule:
-    """``nodes`` of ``gm`` (graph order) as a callable of ``ins`` returning ``outs``."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {n: g.placeholder(f"in{j}") for j, n in enumerate(ins)}
-    for n in gm.graph.nodes:
-        if n in nodes:
-            env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(tuple(env[o] for o in outs))
-    return graph_module(gm, g)
 
 
 def _role_of(roles: dict[str, fx.Node], node: fx.Node) -> str:
@@ -272,7 +257,7 @@ def _extend(gm: fx.GraphModule, r: MlstmRegion, live: set[fx.Node]) -> Optional[
     are concatenated along time with the outputs of more steps (``mlstm_recurrent_sequence_native``
     over the tail shorter than a block, started from the block kernel's final states), the
     whole concatenation read from the full-length ``q, k, v, i, f``; proven like the region,
-    with its ``scale``/``eps``, to the tolerance of the precision the tail computes in."""
+    with its ``scale``/``eps``, in float64."""
     cats = [u for u in r.outputs["h"].users if u.op == "call_function" and u.target in _CATS
             and isinstance(u.args[0], (list, tuple)) and u.args[0][0] is r.outputs["h"]
             and (u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)) % 4 == 2]
@@ -298,14 +283,13 @@ def _extend(gm: fx.GraphModule, r: MlstmRegion, live: set[fx.Node]) -> Optional[
     vals = {x: torch.randn(tuple(_val(n).shape), generator=gen, dtype=torch.float64) + (2.0 if x == "f" else 0.0)
             for x, n in roles.items()}
     try:
-        with torch.no_grad():
-            got = _region_callable(gm, frozenset(nodes), ins, [cat])(*[vals[_role_of(roles, n)] for n in ins])[0]
+        with exact_arithmetic():
+            got = region_subgraph(gm, ins, nodes, cat)(*[vals[_role_of(roles, n)] for n in ins])
     except Exception:  # noqa: BLE001 - a region that does not run on its own is not claimed
         return None
     want = mlstm_step_reference(*(vals[x] for x in _ROLES_IN), scale=r.scale, eps=r.eps)[0]
-    tol = TAIL_TOL if any(_val(n).dtype != torch.float64 for n in nodes if _val(n) is not None) else PROOF_TOL
     if got.shape != want.shape or not bool(torch.isfinite(got).all()) or \
-            float((got - want).abs().max()) > tol * float(want.abs().max()):
+            float((got - want).abs().max()) > PROOF_TOL * float(want.abs().max()):
         return None
     return MlstmRegion(roles, {"h": cat}, frozenset(nodes), r.scale, r.eps)
 

@@ -35,6 +35,7 @@ from gradshard.analysis.consts import evaluate_constant
 from gradshard.analysis.dims import shape_of
 
 from gradshard.passes.recurrence_graph import emit_node
+from gradshard.passes.region_proof import exact_arithmetic, widen_float_dtypes
 
 aten = torch.ops.aten
 
@@ -161,20 +162,19 @@ def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
     out_shape = shape_of(exit_node)
     sub = _subgraph(gm, nodes, exit_node, sources)
     gen = torch.Generator().manual_seed(0)
-    dtype = log_a.meta["val"].dtype
-    vals = {s: torch.randn(shape_of(s), generator=gen, dtype=torch.float64).to(dtype) for s in rest}
-    vals[log_a] = (-0.5 * torch.rand(shape_of(log_a), generator=gen, dtype=torch.float64)).to(dtype)
+    vals = {s: torch.randn(shape_of(s), generator=gen, dtype=torch.float64) for s in rest}
+    vals[log_a] = -0.5 * torch.rand(shape_of(log_a), generator=gen, dtype=torch.float64)
     try:
-        with torch.no_grad():
+        with exact_arithmetic():
             got = sub(*[vals[s] for s in sources])
     except Exception:  # noqa: BLE001 - a region that does not run on its own is not an SSD region
         return None
-    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    tol = 1e-9
     for x, Bn, Cn in itertools.permutations(rest):
         sx, sb, sc, sa = shape_of(x), shape_of(Bn), shape_of(Cn), shape_of(log_a)
         if sb != sc or sx[:3] != sa or sb[:3] != sa:
             continue
-        with torch.no_grad():
+        with exact_arithmetic():
             want = _reference(vals[x], vals[log_a], vals[Bn], vals[Cn])
         if want.numel() != got.numel():
             continue
@@ -186,7 +186,7 @@ def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
 
 
 def _subgraph(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node, sources: list[fx.Node]) -> fx.GraphModule:
-    """The region as a callable graph of its sources (constants recomputed inside)."""
+    """The region as a callable graph of its sources (constants recomputed inside), in float64."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {s: g.placeholder(f"in{i}") for i, s in enumerate(sources)}
 
@@ -198,6 +198,7 @@ def _subgraph(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node, sourc
         return env[n]
 
     g.output(copy(exit_node))
+    widen_float_dtypes(g)  # proven in float64, through any cast (autocast's around the einsums)
     return graph_module(gm, g)
 
 

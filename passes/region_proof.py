@@ -10,8 +10,9 @@ precision allows.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -20,8 +21,8 @@ from gradshard.ir import graph_module
 
 aten = torch.ops.aten
 
-__all__ = ["MAX_EVAL_ELEMENTS", "constant_value", "grad_free_constant", "is_data", "proof_tolerance",
-           "region_subgraph", "to_f64"]
+__all__ = ["MAX_EVAL_ELEMENTS", "constant_value", "exact_arithmetic", "grad_free_constant", "is_data",
+           "proof_tolerance", "region_subgraph", "to_f64", "widen_float_dtypes"]
 
 #: Constants larger than this are not evaluated (the proof is skipped, the region not claimed).
 MAX_EVAL_ELEMENTS = 1 << 24
@@ -94,8 +95,9 @@ def constant_value(node: fx.Node, known: dict[str, torch.Tensor],
 
 
 def region_subgraph(gm: fx.GraphModule, inputs: Iterable[fx.Node], nodes: Iterable[fx.Node] | frozenset[fx.Node],
-                    output: fx.Node) -> fx.GraphModule:
-    """``nodes`` of ``gm`` (in graph order) as a callable of ``inputs`` returning ``output``."""
+                    output: fx.Node | Sequence[fx.Node]) -> fx.GraphModule:
+    """``nodes`` of ``gm`` (in graph order) as a callable of ``inputs`` returning ``output`` (a tuple
+    for a sequence of nodes), computing in float64 (:func:`widen_float_dtypes`)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, n in enumerate(inputs):
@@ -104,8 +106,44 @@ def region_subgraph(gm: fx.GraphModule, inputs: Iterable[fx.Node], nodes: Iterab
     for n in gm.graph.nodes:
         if n in members:
             env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[output])
+    g.output(env[output] if isinstance(output, fx.Node) else tuple(env[o] for o in output))
+    widen_float_dtypes(g)
     return graph_module(gm, g)
+
+
+def _widen(arg: Any) -> Any:
+    if isinstance(arg, torch.dtype) and arg.is_floating_point:
+        return torch.float64
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_widen(a) for a in arg)
+    if isinstance(arg, dict):
+        return {k: _widen(v) for k, v in arg.items()}
+    return arg
+
+
+def widen_float_dtypes(graph: fx.Graph) -> None:
+    """Make every floating dtype a node of ``graph`` names float64 (in place).
+
+    A proof graph then computes in float64 throughout: the casts ``torch.autocast`` records
+    around matmuls (``_to_copy(x, dtype=bfloat16)``), a model's own ``.float()`` / ``.to(half)``,
+    a factory's ``dtype=``. A cast only rounds, so the region computes the same function without
+    them, and the proof compares that function with the reference recurrence at float64
+    precision instead of at the precision of the region's lowest cast."""
+    for n in graph.nodes:
+        if n.op == "call_function":
+            n.args, n.kwargs = _widen(n.args), _widen(dict(n.kwargs))
+
+
+@contextlib.contextmanager
+def exact_arithmetic() -> Iterator[None]:
+    """Where a proof runs its region: no autograd and no autocast (a compile runs at the first call,
+    which may sit inside the user's ``torch.autocast`` block: its matmuls would run in bfloat16)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def to_f64(x: torch.Tensor) -> torch.Tensor:
