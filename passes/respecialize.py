@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from gradshard.ir import graph_module
 from gradshard.analysis.dims import shape_of
 from gradshard.fake import private_dispatch_cache
+from gradshard.passes.meta_propagate import run_on_meta
 from gradshard.passes.respecialize_memo import (MEMO, Outcome, apply_outcome, propagation_key, record_outcome,
                                                 snapshot_values)
 
@@ -399,6 +400,8 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    if module_outputs is None and _meta_propagate(gm, facts, T_new, batch, mode):
+        return
     env: dict[fx.Node, Any] = {}
     # private cache: re-specialising runs at a call's first use of a length, outside the
     # compile's own private cache; its entries would stay in torch's process-wide one
@@ -439,6 +442,37 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 node.meta["val"] = val
             elif node.op == "call_function" and val is not None:
                 node.meta["val"] = val
+
+
+def _meta_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[int, int], mode: Any) -> bool:
+    """:func:`fake_propagate` on meta tensors (:mod:`gradshard.passes.meta_propagate`): True when
+    every node ran and has its expected shape (values written as fake tensors of ``mode``, on the
+    captured values' devices); False, with nothing written, for the fake-tensor path to decide."""
+    def placeholder(node: fx.Node) -> Any:
+        old = node.meta.get("val")
+        if not isinstance(old, torch.Tensor):
+            return old
+        shape = expected_shape(old.shape, facts.get(node.name, ()), T_new, batch)
+        return torch.empty(shape, dtype=old.dtype, device="meta").requires_grad_(old.requires_grad)
+
+    env = run_on_meta(gm, placeholder)
+    if env is None:
+        return False
+    for node, val in env.items():
+        old = node.meta.get("val")
+        if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor) and \
+                tuple(val.shape) != expected_shape(old.shape, facts.get(node.name, ()), T_new, batch):
+            return False
+    convert = mode.fake_tensor_converter
+    for node, val in env.items():
+        if node.op not in ("placeholder", "call_function") or (val is None and node.op == "call_function"):
+            continue
+        old = node.meta.get("val")
+        if node.op == "placeholder" and not isinstance(old, torch.Tensor):
+            continue
+        device = next((x.device for x in pytree.tree_leaves(old) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        node.meta["val"] = pytree.tree_map_only(torch.Tensor, lambda t: convert.from_meta_and_device(mode, t, device), val)
+    return True
 
 
 def call_length(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args: tuple,
