@@ -22,8 +22,10 @@ same graph serves another batch size too (``batch=(B_old, B_new)``).
 
 :func:`respecialize` rewrites size lists (view/reshape/expand/new_zeros/full/...), slice and
 narrow bounds, select indices and ``arange`` ends from the facts, then *verifies* the result
-by fake-tensor shape propagation: every node must come out with exactly the shape its facts
-predict, or :class:`RespecializeError` is raised (callers then fall back to capturing again).
+by shape propagation: every node must come out with exactly the shape its facts predict, or
+:class:`RespecializeError` is raised (callers then fall back to capturing again). It runs on
+meta tensors (:mod:`gradshard.passes.meta_propagate`; values kept are made fake tensors), and
+on fake tensors where meta cannot decide (a module call, a data-dependent op, a refusal to word).
 A graph propagated before node for node (same ops, arguments, captured shapes, facts, length
 and batch) replays the stored outcome instead (:mod:`gradshard.passes.respecialize_memo`).
 Integers that encode positions rather than sizes (bounds near the end of the axis) are
@@ -368,15 +370,22 @@ def _verify(out: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[int, int
         if keep_values:
             apply_outcome(out, stored)
         return
-    before = snapshot_values(out) if key is not None else []
-    try:
-        fake_propagate(out, facts, T_new, module_outputs=module_outputs, batch=batch)
-    except RespecializeError as exc:
-        if key is not None:
-            MEMO.put(key, Outcome(error=str(exc)))
-        raise
+    values = _meta_values(out, facts, T_new, batch) if module_outputs is None else None
+    if values is not None:  # meta tensors: made fake tensors only where they are kept
+        outcome = Outcome(values=values)
+        if keep_values:
+            apply_outcome(out, outcome)
+    else:
+        before = snapshot_values(out) if key is not None else []
+        try:
+            fake_propagate(out, facts, T_new, module_outputs=module_outputs, batch=batch)
+        except RespecializeError as exc:
+            if key is not None:
+                MEMO.put(key, Outcome(error=str(exc)))
+            raise
+        outcome = record_outcome(out, before) if key is not None else None
     if key is not None:
-        MEMO.put(key, record_outcome(out, before))
+        MEMO.put(key, outcome)
 
 
 @contextlib.contextmanager
@@ -400,8 +409,6 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    if module_outputs is None and _meta_propagate(gm, facts, T_new, batch, mode):
-        return
     env: dict[fx.Node, Any] = {}
     # private cache: re-specialising runs at a call's first use of a length, outside the
     # compile's own private cache; its entries would stay in torch's process-wide one
@@ -444,10 +451,11 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 node.meta["val"] = val
 
 
-def _meta_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[int, int], mode: Any) -> bool:
-    """:func:`fake_propagate` on meta tensors (:mod:`gradshard.passes.meta_propagate`): True when
-    every node ran and has its expected shape (values written as fake tensors of ``mode``, on the
-    captured values' devices); False, with nothing written, for the fake-tensor path to decide."""
+def _meta_values(gm: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[int, int]) -> Optional[tuple]:
+    """What :func:`fake_propagate` would write, computed on meta tensors
+    (:mod:`gradshard.passes.meta_propagate`): ``(position, value)`` per placeholder and
+    ``call_function`` node, or None (nothing run that decides: a node that cannot run on meta
+    tensors, or a shape other than its facts predict) for the fake-tensor path to decide and word."""
     def placeholder(node: fx.Node) -> Any:
         old = node.meta.get("val")
         if not isinstance(old, torch.Tensor):
@@ -457,22 +465,18 @@ def _meta_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[i
 
     env = run_on_meta(gm, placeholder)
     if env is None:
-        return False
-    for node, val in env.items():
-        old = node.meta.get("val")
+        return None
+    values = []
+    for i, node in enumerate(gm.graph.nodes):
+        if node not in env:
+            continue
+        val, old = env[node], node.meta.get("val")
         if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor) and \
                 tuple(val.shape) != expected_shape(old.shape, facts.get(node.name, ()), T_new, batch):
-            return False
-    convert = mode.fake_tensor_converter
-    for node, val in env.items():
-        if node.op not in ("placeholder", "call_function") or (val is None and node.op == "call_function"):
-            continue
-        old = node.meta.get("val")
-        if node.op == "placeholder" and not isinstance(old, torch.Tensor):
-            continue
-        device = next((x.device for x in pytree.tree_leaves(old) if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        node.meta["val"] = pytree.tree_map_only(torch.Tensor, lambda t: convert.from_meta_and_device(mode, t, device), val)
-    return True
+            return None
+        if (node.op == "placeholder" and isinstance(old, torch.Tensor)) or (node.op == "call_function" and val is not None):
+            values.append((i, val))
+    return tuple(values)
 
 
 def call_length(cap: Any, graph: fx.Graph, time_inputs: Mapping[str, int], args: tuple,

@@ -22,8 +22,8 @@ no key and is always propagated. The key is computed from the graph at each call
 graph mutated in place between two calls simply gets another key.
 
 Memory: the memo is a bounded LRU (:data:`MAX_ENTRIES`) holding only keys of plain
-constants, torch ops and :class:`DimFact` records, and fake tensors; it holds no graph, module or
-parameter.
+constants, torch ops and :class:`DimFact` records, and fake or meta tensors (no storage); it holds no
+graph, module or parameter.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any, Hashable, Iterator, Mapping, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 __all__ = ["Outcome", "PropagationMemo", "MEMO", "MAX_ENTRIES", "propagation_key", "snapshot_values",
            "record_outcome", "apply_outcome", "clear_memo", "fresh_memo"]
@@ -233,7 +234,21 @@ def record_outcome(gm: fx.GraphModule, before: list[Any]) -> Outcome:
 
 
 def apply_outcome(gm: fx.GraphModule, outcome: Outcome) -> None:
-    """Write a stored propagation's values into ``gm``'s nodes (same positions)."""
+    """Write a stored propagation's values into ``gm``'s nodes (same positions). Meta tensors
+    (a propagation on meta tensors) are written as fake tensors on the device of the value the
+    node held before (its capture's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode: Optional[FakeTensorMode] = None
     nodes = list(gm.graph.nodes)
     for i, val in outcome.values:
-        nodes[i].meta["val"] = val
+        node = nodes[i]
+        leaves = [x for x in pytree.tree_leaves(val) if isinstance(x, torch.Tensor) and x.device.type == "meta"]
+        if leaves:
+            mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+            device = next((x.device for x in pytree.tree_leaves(node.meta.get("val")) if isinstance(x, torch.Tensor)),
+                          torch.device("cpu"))
+            val = pytree.tree_map_only(
+                torch.Tensor, lambda t: mode.fake_tensor_converter.from_meta_and_device(mode, t, device)
+                if t.device.type == "meta" else t, val)
+        node.meta["val"] = val
