@@ -27,8 +27,8 @@ def tol(dtype: torch.dtype) -> float:
 
 if not INTERPRETED and not ON_CUDA:
 
-    def test_triton_kernels_under_interpreter():
-        run_under_interpreter(__file__)
+    def test_triton_kernels_under_interpreter(pytestconfig):
+        run_under_interpreter(__file__, markexpr=pytestconfig.getoption("markexpr"))
 
 else:
     import gradshard.kernels as gk
@@ -58,11 +58,18 @@ else:
         out = scan_triton(a, u, h0, reverse=reverse, chunk=chunk)
         assert rel(out, scan_naive(a, u, h0, reverse)) <= tol(F64)
 
-    @pytest.mark.parametrize("tiles", [Tiles(8, 16, 4, prefetch=True), Tiles(8, 16, 4, lookback=True),
-                                       Tiles(16, 16, 2, lookback=True)], ids=["prefetch", "lookback", "lookback16"])
-    @pytest.mark.parametrize("length,batch,reverse,with_h0,chunk",
-                             [(1, 1, False, True, None), (37, 3, True, True, None), (37, 3, False, False, 10),
-                              (64, 2, False, True, None), (41, 1, True, False, 8)])
+    _TILES = {"prefetch": Tiles(8, 16, 4, prefetch=True), "lookback": Tiles(8, 16, 4, lookback=True),
+              "lookback16": Tiles(16, 16, 2, lookback=True)}
+    _SHAPES = [(1, 1, False, True, None), (37, 3, True, True, None), (37, 3, False, False, 10),
+               (64, 2, False, True, None), (41, 1, True, False, 8)]
+    # default suite: per variant the one-step and the ragged reversed chunked shapes, and the exact
+    # tile count once; `make test-all` runs every pair
+    _DEFAULT = {(1, 1, False, True, None), (41, 1, True, False, 8), ("lookback", (64, 2, False, True, None))}
+
+    @pytest.mark.parametrize("tiles,length,batch,reverse,with_h0,chunk", [
+        pytest.param(tile, *shape, id=f"{'-'.join(map(str, shape))}-{name}",
+                     marks=() if shape in _DEFAULT or (name, shape) in _DEFAULT else pytest.mark.slow)
+        for shape in _SHAPES for name, tile in _TILES.items()])
     def test_scan_launch_variants_match_loop(tiles, length, batch, reverse, with_h0, chunk):
         """Register prefetch (one pass and chunked) and the one-pass look-back kernel, on ragged
         and exact tile counts, with broadcast coefficients and in place over ``u``."""
