@@ -204,7 +204,7 @@ def _region_respecializes(gm: fx.GraphModule, plan: RegionPlan, facts: dict, sha
     h = next(n for n in gm.graph.nodes if n.name == plan.site.h)
     graphs = (_subgraph(gm, plan.inputs, plan.producers, plan.producer_outputs, "producer_check"),
               _subgraph(gm, [h, *plan.producer_outputs[3:]], plan.readout, plan.exits, "readout_check"))
-    return all(_respecializes(lambda L, g=g: respecialize(g, facts, T, L), lengths) for g in graphs)
+    return all(_respecializes(lambda L, g=g: respecialize(g, facts, T, L, keep_values=False), lengths) for g in graphs)
 
 
 def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, shard: int,
@@ -215,7 +215,7 @@ def _usable_remats(gm: fx.GraphModule, tl: Any, facts: dict, plan: RegionPlan, s
     for r in find_input_remats(gm, tl, facts, plan.inputs, plan.io.input_time_dims, barred):
         g = _subgraph(gm, list(r.leaves), list(r.nodes), [plan.inputs[r.index]], "remat_check")
         lengths = _check_lengths(plan.io.captured_len, shard, r.halo + sum(plan.io.halo))
-        if _respecializes(lambda L: respecialize(g, facts, plan.io.captured_len, L), lengths):
+        if _respecializes(lambda L: respecialize(g, facts, plan.io.captured_len, L, keep_values=False), lengths):
             out.append(r)
     return out
 
