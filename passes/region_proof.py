@@ -112,13 +112,7 @@ def region_subgraph(gm: fx.GraphModule, inputs: Iterable[fx.Node], nodes: Iterab
 
 
 def _widen(arg: Any) -> Any:
-    if isinstance(arg, torch.dtype) and arg.is_floating_point:
-        return torch.float64
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_widen(a) for a in arg)
-    if isinstance(arg, dict):
-        return {k: _widen(v) for k, v in arg.items()}
-    return arg
+    return torch.float64 if isinstance(arg, torch.dtype) and arg.is_floating_point else arg
 
 
 def widen_float_dtypes(graph: fx.Graph) -> None:
@@ -131,7 +125,7 @@ def widen_float_dtypes(graph: fx.Graph) -> None:
     precision instead of at the precision of the region's lowest cast."""
     for n in graph.nodes:
         if n.op == "call_function":
-            n.args, n.kwargs = _widen(n.args), _widen(dict(n.kwargs))
+            n.args, n.kwargs = fx.node.map_aggregate(n.args, _widen), fx.node.map_aggregate(n.kwargs, _widen)
 
 
 @contextlib.contextmanager
