@@ -20,6 +20,7 @@ refusal). A graph that runs on meta tensors runs on fake ones: both use the same
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable, Optional
 
@@ -32,6 +33,7 @@ __all__ = ["run_on_meta"]
 _META = torch.device("meta")
 
 
+@functools.lru_cache(maxsize=None)
 def _device_slots(target: Any) -> tuple[Optional[int], bool]:
     """``(position, kwarg_only)`` of the ``device`` argument in ``target``'s schema, or ``(None, False)``."""
     schema = getattr(target, "_schema", None)
@@ -72,8 +74,8 @@ def run_on_meta(gm: fx.GraphModule, placeholder: Callable[[fx.Node], Any]) -> Op
         elif node.op == "call_function":
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            args, kwargs = _on_meta(node, tuple(args), dict(kwargs))
             try:
+                args, kwargs = _on_meta(node, tuple(args), dict(kwargs))
                 env[node] = node.target(*args, **kwargs)
             except Exception:  # noqa: BLE001 - not runnable on meta tensors: fake tensors decide
                 return None

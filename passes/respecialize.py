@@ -401,6 +401,14 @@ def _quiet_fake_tensor_errors() -> Any:
         logger.setLevel(level)
 
 
+def _input_at(node: fx.Node, facts: Facts, T_new: int, batch: tuple[int, int], device: Any) -> torch.Tensor:
+    """An empty tensor for placeholder ``node`` at length ``T_new`` (its captured value's dtype and
+    ``requires_grad``) on ``device``."""
+    old = node.meta["val"]
+    shape = expected_shape(old.shape, facts.get(node.name, ()), T_new, batch)
+    return torch.empty(shape, dtype=old.dtype, device=device).requires_grad_(old.requires_grad)
+
+
 def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                    module_outputs: Optional[Callable[[fx.Node, list], Any]] = None,
                    batch: tuple[int, int] = (1, 1)) -> None:
@@ -419,8 +427,7 @@ def fake_propagate(gm: fx.GraphModule, facts: Facts, T_new: int, *,
                 if not isinstance(old, torch.Tensor):
                     env[node] = old
                     continue
-                shape = expected_shape(old.shape, facts.get(node.name, ()), T_new, batch)
-                env[node] = torch.empty(shape, dtype=old.dtype, device=old.device).requires_grad_(old.requires_grad)
+                env[node] = _input_at(node, facts, T_new, batch, old.device)
                 node.meta["val"] = env[node]  # analyses of the new graph read its inputs' shapes here
                 continue
             if node.op == "output":
@@ -458,10 +465,7 @@ def _meta_values(gm: fx.GraphModule, facts: Facts, T_new: int, batch: tuple[int,
     tensors, or a shape other than its facts predict) for the fake-tensor path to decide and word."""
     def placeholder(node: fx.Node) -> Any:
         old = node.meta.get("val")
-        if not isinstance(old, torch.Tensor):
-            return old
-        shape = expected_shape(old.shape, facts.get(node.name, ()), T_new, batch)
-        return torch.empty(shape, dtype=old.dtype, device="meta").requires_grad_(old.requires_grad)
+        return _input_at(node, facts, T_new, batch, "meta") if isinstance(old, torch.Tensor) else old
 
     env = run_on_meta(gm, placeholder)
     if env is None:
