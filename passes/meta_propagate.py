@@ -16,21 +16,29 @@ and returns the values, or None when the graph is not one it can run this way (a
 method call, an op without a meta kernel, a data-dependent op such as ``item``, or anything
 else that raises): the caller then propagates on fake tensors, which decides (and words the
 refusal). A graph that runs on meta tensors runs on fake ones: both use the same meta kernels.
+
+:class:`OnMeta` does the same for Python code that is not a graph (the chunked plans' dry run): a
+dispatch mode that sets every op's ``device`` argument to meta and moves any other tensor argument
+to meta. Python code then sees meta tensors where it would have seen tensors of the model's
+device; :func:`device_type` names the device they stand for, for code that branches on it.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+from contextvars import ContextVar
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["run_on_meta"]
+__all__ = ["OnMeta", "device_type", "run_on_meta", "to_meta"]
 
 _META = torch.device("meta")
+_STANDS_FOR: ContextVar[Optional[torch.device]] = ContextVar("gradshard_meta_stands_for", default=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,9 +53,9 @@ def _device_slots(target: Any) -> tuple[Optional[int], bool]:
     return None, False
 
 
-def _on_meta(node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _on_meta(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args``/``kwargs`` with the op's ``device`` argument (if it has one) set to meta."""
-    index, kwarg_only = _device_slots(node.target)
+    index, kwarg_only = _device_slots(target)
     if index is None:
         return args, kwargs
     if not kwarg_only and index < len(args):
@@ -55,7 +63,7 @@ def _on_meta(node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "device": _META}
 
 
-def _to_meta(value: Any) -> Any:
+def to_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_META)
         return out.requires_grad_(value.requires_grad) if value.is_floating_point() or value.is_complex() else out
@@ -70,12 +78,12 @@ def run_on_meta(gm: fx.GraphModule, placeholder: Callable[[fx.Node], Any]) -> Op
         if node.op == "placeholder":
             env[node] = placeholder(node)
         elif node.op == "get_attr":
-            env[node] = _to_meta(operator.attrgetter(node.target)(gm))
+            env[node] = to_meta(operator.attrgetter(node.target)(gm))
         elif node.op == "call_function":
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             try:
-                args, kwargs = _on_meta(node, tuple(args), dict(kwargs))
+                args, kwargs = _on_meta(node.target, tuple(args), dict(kwargs))
                 env[node] = node.target(*args, **kwargs)
             except Exception:  # noqa: BLE001 - not runnable on meta tensors: fake tensors decide
                 return None
@@ -85,3 +93,35 @@ def run_on_meta(gm: fx.GraphModule, placeholder: Callable[[fx.Node], Any]) -> Op
             return None
     leaves = [x for v in env.values() for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]
     return env if all(x.device == _META for x in leaves) else None  # an op that ignored its device
+
+
+def _meta_arg(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device == _META else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
+
+
+class OnMeta(TorchDispatchMode):
+    """Run every op on meta tensors (module doc); the tensors stand for ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self._token: list[Any] = []
+
+    def __enter__(self) -> "OnMeta":
+        self._token.append(_STANDS_FOR.set(self.device))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        _STANDS_FOR.reset(self._token.pop())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        args, kwargs = _on_meta(func, args, kwargs or {})
+        args, kwargs = pytree.tree_map_only(torch.Tensor, _meta_arg, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def device_type(t: torch.Tensor) -> str:
+    """``t.device.type``, or under :class:`OnMeta` the type of the device a meta tensor stands for."""
+    stands_for = _STANDS_FOR.get() if t.device == _META else None
+    return t.device.type if stands_for is None else stands_for.type

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from gradshard.autocast import AutocastState
 from gradshard.ir import graph_module
 
 aten = torch.ops.aten
@@ -132,11 +133,7 @@ def widen_float_dtypes(graph: fx.Graph) -> None:
 def exact_arithmetic() -> Iterator[None]:
     """Where a proof runs its region: no autograd and no autocast (a compile runs at the first call,
     which may sit inside the user's ``torch.autocast`` block: its matmuls would run in bfloat16)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())
-        for device in ("cpu", "cuda"):
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
+    with torch.no_grad(), AutocastState.off().restore():
         yield
 
 

@@ -38,6 +38,7 @@ from torch.nn.utils import stateless
 
 from gradshard.ir import graph_module
 from gradshard.capture.canonical import canonicalize
+from gradshard.capture.stack_traces import frames_above, share_stack_traces
 from gradshard.capture.mutations import functionalize_buffer_updates
 from gradshard.errors import CaptureError, first_line, summary
 from gradshard.pipeline import TRACE_LOCK, forget_erased_nodes
@@ -576,7 +577,8 @@ def _trace(fn: Callable[..., Any], example: list[torch.Tensor], modules: Sequenc
     if dynamic is not None:
         example, fake_mode = _symbolic_example(example, dynamic)
         mode = "symbolic"
-    with TRACE_LOCK, _record_module_stack(modules), fake_mode:  # make_fx is not thread-safe
+    # make_fx is not thread-safe; node stack traces start above this frame (the caller's stack is not the model)
+    with TRACE_LOCK, _record_module_stack(modules), fake_mode, frames_above(_trace.__code__):
         gm = make_fx(fn, tracing_mode=mode, pre_dispatch=True, record_stack_traces=True,
                      _allow_non_fake_inputs=True)(*example)
         if _trainable_constants(gm):
@@ -623,18 +625,6 @@ def _symbolic_example(example: list[torch.Tensor], dynamic: Mapping[int, Sequenc
             dynamic_sizes=[DimDynamic.DUCK if d in dims else DimDynamic.STATIC for d in range(t.dim())])
         out.append(fake_mode.from_tensor(t, symbolic_context=ctx))
     return out, fake_mode
-
-
-def share_stack_traces(gm: fx.GraphModule) -> None:
-    """Make nodes with equal stack traces share one string.
-
-    make_fx formats a stack trace per node; an unrolled loop's steps (and a model's repeated
-    layers) repeat the same few, so a kept graph would otherwise hold one copy per node."""
-    seen: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        trace = node.meta.get("stack_trace")
-        if trace is not None:
-            node.meta["stack_trace"] = seen.setdefault(trace, trace)
 
 
 def _trainable_constants(gm: fx.GraphModule) -> list[fx.Node]:

@@ -41,7 +41,7 @@ import torch.fx as fx
 from gradshard.ir import graph_module
 from gradshard.errors import summary
 from gradshard.pipeline import copy_graph
-from gradshard.runtime.autocast import AutocastState
+from gradshard.autocast import AutocastState
 
 __all__ = ["GraphCompiler", "signature", "graph_structure", "SharedCompiles", "GraphVariants", "RegionGraphs",
            "CompiledCalls", "trace_and_compile", "fresh_copy", "LengthCache", "forgetting_new_lengths", "MAX_GRAPHS"]

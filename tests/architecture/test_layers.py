@@ -12,6 +12,7 @@ LAYERS = (
     "gradshard.ir",           # regions, stages, pass records: plain frozen dataclasses
     "gradshard.errors",       # error types (name nodes and source lines from ir)
     "gradshard.fake",         # running graphs on fake tensors
+    "gradshard.autocast",     # the autocast state: read, re-entered, switched off
     "gradshard.units",        # formatting bytes, FLOPs, seconds, counts
     "gradshard.pipeline",     # the pass protocol and pass manager
     "gradshard.kernels",      # torch / Triton implementations and the public kernel front doors

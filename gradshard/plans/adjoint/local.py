@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from gradshard.errors import GradshardError
 from gradshard.ir import Stage
-from gradshard.runtime.autocast import AutocastState
+from gradshard.autocast import AutocastState
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.donate import DonatedGrad, donatable

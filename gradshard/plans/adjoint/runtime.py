@@ -53,7 +53,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from gradshard.ir import Stage
-from gradshard.runtime.autocast import AutocastState
+from gradshard.autocast import AutocastState
 from gradshard.runtime.compiled import GraphCompiler, LengthCache, RegionGraphs
 
 from gradshard.plans.adjoint.layout import (RegionIO, ScanSpec, canon, narrow, shard_producers, state_canon,

@@ -34,6 +34,8 @@ from typing import Any, Hashable, Iterator
 import torch
 import torch.nn.functional as F
 
+from gradshard.passes.meta_propagate import device_type
+
 __all__ = ["prefix_attention", "prefix_attention_reference", "AttentionStash", "stash_slot"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -115,7 +117,7 @@ class _PrefixFlash(torch.autograd.Function):
 
 def _usable_flash(q: torch.Tensor, *rest: torch.Tensor | None) -> bool:
     ts = [q, *[t for t in rest if t is not None]]
-    return all(t.device.type == "cpu" and t.dtype == q.dtype for t in ts) and q.dtype in _FLASH_DTYPES
+    return all(device_type(t) == "cpu" and t.dtype == q.dtype for t in ts) and q.dtype in _FLASH_DTYPES
 
 
 def prefix_attention(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch.Tensor | None,

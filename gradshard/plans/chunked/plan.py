@@ -12,7 +12,7 @@ analysis and the attention regions, in four steps:
    partials; everything after them (scalar arithmetic on the loss) stays outside.
 3. **cache points**: the keys/values of each attention region (after RoPE, before the
    GQA repeat) and every scan output are kept across chunks.
-4. **dry run**: the chunk program runs on fake tensors for a few chunks (first, second,
+4. **dry run**: the chunk program runs on meta (or fake) tensors for a few chunks (first, second,
    third, middle, last two). It finds reads of the future (error), makes every other node
    that later chunks read a cache point (e.g. the input of a causal convolution), measures
    how far back each cache point is read (all of the past, or a window), and estimates
@@ -21,14 +21,15 @@ analysis and the attention regions, in four steps:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from gradshard.errors import UnsupportedGraphError, node_error
+from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
 from gradshard.ir import Region
+from gradshard.passes.meta_propagate import OnMeta, to_meta
 from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
 from gradshard.plans.chunked.cache import CacheSpec
 from gradshard.plans.chunked.evaluate import ChunkEvaluator, NeedsCache, RecursionGuard
@@ -411,23 +412,19 @@ def _run_chunk(program: ChunkProgram, flat: list[Any], j: int) -> ChunkEvaluator
 
 
 def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int = 64) -> list[str]:
-    """Step 4 of the module doc: fills ``program.cache_points`` retention and ``estimates``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """Step 4 of the module doc: fills ``program.cache_points`` retention and ``estimates``.
 
+    A round runs on meta tensors where the example lives on one device (C++ meta kernels, not
+    fake tensors' Python dispatch); a round that fails there for any other reason than a missing
+    cache point or a refusal of the program reruns on fake tensors, which decide (and word any
+    refusal of an op)."""
     notes: list[str] = []
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    flat = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_flat]
-    k = program.num_chunks
-    sample = _sample_chunks(k)
+    on_meta = _on_meta(example_flat)
+    runner = on_meta or _on_fake(example_flat)
+    sample = _sample_chunks(program.num_chunks)
     for _ in range(max_rounds):
-        stats: dict[int, tuple[int, int, list[tuple[str, int, int]]]] = {}
         try:
-            with mode, RecursionGuard():
-                for j in sample:
-                    with FlopCounterMode(display=False) as fc:
-                        ev = _run_chunk(program, flat, j)
-                    stats[j] = (fc.get_total_flops(), ev.peak_bytes, list(ev.cache_reads))
-            break
+            stats = _sampled_stats(program, sample, *runner)
         except NeedsCache as nc:
             node = nc.node
             frame = program.rules[node.name].frame
@@ -438,11 +435,50 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
                                                         "read by later chunks (window)")
             program.refresh_uses()
             notes.append(f"cache point {node.name}: later chunks read its earlier steps")
+            continue
+        except Exception as exc:  # noqa: BLE001 - not runnable on meta tensors: fake tensors decide
+            if runner is not on_meta or (isinstance(exc, GradshardError) and exc.__cause__ is None):
+                raise  # a refusal of the program itself, not of an op on meta tensors
+            runner = _on_fake(example_flat)
+            continue
+        break
     else:
         raise UnsupportedGraphError("gradshard internal: the chunk dry run did not converge")
     _set_retention(program, stats)
     program.estimates = _estimates(program, stats)
     return notes
+
+
+_Stats = dict[int, tuple[int, int, list[tuple[str, int, int]]]]
+
+
+def _on_meta(example_flat: Sequence[Any]) -> Optional[tuple[list[Any], Any]]:
+    """The example on meta tensors and the mode that keeps every op there, or None when the
+    example's tensors live on several devices (or none), or under autocast (which casts ops on
+    its device's tensors, never on meta ones)."""
+    devices = {x.device for x in example_flat if isinstance(x, torch.Tensor)}
+    if len(devices) != 1 or torch.is_autocast_enabled(next(iter(devices)).type):
+        return None
+    return [to_meta(x) for x in example_flat], OnMeta(devices.pop())
+
+
+def _on_fake(example_flat: Sequence[Any]) -> tuple[list[Any], Any]:
+    """The example on fake tensors and their mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_flat], mode
+
+
+def _sampled_stats(program: ChunkProgram, sample: list[int], flat: list[Any], mode: Any) -> _Stats:
+    """``chunk -> (FLOPs, peak bytes, cache reads)`` for the sampled chunks, run under ``mode``."""
+    stats: _Stats = {}
+    with mode, RecursionGuard():
+        for j in sample:
+            with FlopCounterMode(display=False) as fc:
+                ev = _run_chunk(program, flat, j)
+            stats[j] = (fc.get_total_flops(), ev.peak_bytes, list(ev.cache_reads))
+    return stats
 
 
 def _set_retention(program: ChunkProgram, stats: dict[int, tuple[int, int, list[tuple[str, int, int]]]]) -> None:

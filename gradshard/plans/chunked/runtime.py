@@ -48,7 +48,7 @@ from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.reductions import Reduction
 from gradshard.plans.chunked.rules import AttentionSource, NodeRule
 from gradshard.plans.chunked.windows import chunk_windows
-from gradshard.runtime.autocast import AutocastState
+from gradshard.autocast import AutocastState
 from gradshard.runtime.compiled import CompiledCalls
 
 __all__ = [

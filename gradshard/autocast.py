@@ -7,6 +7,10 @@ recomputes forward work in its backward (seco/spaco chunks, adjoint shards, loca
 must recompute it under the forward's state, or it differentiates another function: in
 bfloat16 the gradient of a recompute without the forward's casts was 2.4x further from float64
 than eager's (seco, SSM example, T=64). ``torch.utils.checkpoint`` does the same.
+
+:meth:`AutocastState.off` is the state with autocast off everywhere: where a recogniser proves
+a region numerically (a compile runs at the first call, which may sit inside the user's
+``torch.autocast`` block).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class AutocastState:
     @classmethod
     def current(cls) -> "AutocastState":
         return cls(tuple((d, *_state_of(d)) for d in _DEVICES), torch.is_autocast_cache_enabled())
+
+    @classmethod
+    def off(cls) -> "AutocastState":
+        return cls(tuple((d, False, torch.get_autocast_dtype(d)) for d in _DEVICES), torch.is_autocast_cache_enabled())
 
     @contextlib.contextmanager
     def restore(self) -> Iterator[None]:
