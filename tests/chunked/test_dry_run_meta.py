@@ -32,9 +32,9 @@ def dry_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict, dict]]:
     def both(program, flat, max_rounds=64):
         notes = real(program, flat, max_rounds)
         sample = chunk_plan._sample_chunks(program.num_chunks)
-        on_meta = chunk_plan._on_meta(flat)
+        on_meta = chunk_plan._meta_example(flat)
         meta = None if on_meta is None else chunk_plan._sampled_stats(program, sample, *on_meta)
-        seen.append((meta, chunk_plan._sampled_stats(program, sample, *chunk_plan._on_fake(flat))))
+        seen.append((meta, chunk_plan._sampled_stats(program, sample, *chunk_plan._fake_example(flat))))
         return notes
 
     monkeypatch.setattr(chunk_plan, "dry_run", both)
@@ -92,5 +92,5 @@ def test_an_op_that_fails_on_meta_tensors_reruns_the_round_on_fake_tensors(monke
         prog = cm.graph.seco_0.program
         return [(s.name, s.retention) for s in prog.cache_points.values()], prog.estimates
 
-    assert program(OnMeta=NoMatmulOnMeta) == program(_on_meta=lambda flat: None)
+    assert program(OnMeta=NoMatmulOnMeta) == program(_meta_example=lambda flat: None)
     assert refused, "the meta round never ran a matmul: the test proves nothing"

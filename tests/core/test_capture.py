@@ -24,6 +24,20 @@ def test_every_node_has_shape_and_source_metadata():
     assert names[:2] == ["norm.weight", "norm.bias"] and names[-1] == "input0"
 
 
+def test_stack_traces_hold_the_models_frames_not_the_callers():
+    """Node stack traces are the model's ``forward`` frames; a caller's own ``forward`` below the
+    capture (a wrapper that compiles inside its forward) is not the model's code."""
+
+    class Caller(nn.Module):
+        def forward(self, model: nn.Module, x: torch.Tensor):
+            return capture(model, (x,))
+
+    cap = Caller()(SDPABlock(), torch.randn(2, 5, 8))
+    traces = [n.meta["stack_trace"] for n in cap.gm.graph.nodes if n.op == "call_function" and n.meta.get("stack_trace")]
+    assert traces and all("models.py" in t for t in traces)
+    assert not any("test_capture.py" in t for t in traces), traces[0]
+
+
 @pytest.mark.parametrize("frontend", ["python", "fx", "dynamo"])
 def test_front_doors_agree(frontend):
     model = SDPABlock().double()

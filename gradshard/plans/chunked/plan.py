@@ -419,8 +419,8 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
     cache point or a refusal of the program reruns on fake tensors, which decide (and word any
     refusal of an op)."""
     notes: list[str] = []
-    on_meta = _on_meta(example_flat)
-    runner = on_meta or _on_fake(example_flat)
+    on_meta = _meta_example(example_flat)
+    runner = on_meta or _fake_example(example_flat)
     sample = _sample_chunks(program.num_chunks)
     for _ in range(max_rounds):
         try:
@@ -439,7 +439,7 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
         except Exception as exc:  # noqa: BLE001 - not runnable on meta tensors: fake tensors decide
             if runner is not on_meta or (isinstance(exc, GradshardError) and exc.__cause__ is None):
                 raise  # a refusal of the program itself, not of an op on meta tensors
-            runner = _on_fake(example_flat)
+            runner = _fake_example(example_flat)
             continue
         break
     else:
@@ -452,7 +452,7 @@ def dry_run(program: ChunkProgram, example_flat: Sequence[Any], max_rounds: int 
 _Stats = dict[int, tuple[int, int, list[tuple[str, int, int]]]]
 
 
-def _on_meta(example_flat: Sequence[Any]) -> Optional[tuple[list[Any], Any]]:
+def _meta_example(example_flat: Sequence[Any]) -> Optional[tuple[list[Any], Any]]:
     """The example on meta tensors and the mode that keeps every op there, or None when the
     example's tensors live on several devices (or none), or under autocast (which casts ops on
     its device's tensors, never on meta ones)."""
@@ -462,7 +462,7 @@ def _on_meta(example_flat: Sequence[Any]) -> Optional[tuple[list[Any], Any]]:
     return [to_meta(x) for x in example_flat], OnMeta(devices.pop())
 
 
-def _on_fake(example_flat: Sequence[Any]) -> tuple[list[Any], Any]:
+def _fake_example(example_flat: Sequence[Any]) -> tuple[list[Any], Any]:
     """The example on fake tensors and their mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
