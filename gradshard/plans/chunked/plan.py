@@ -377,7 +377,7 @@ def outer_nodes(program: ChunkProgram) -> list[fx.Node]:
 
 
 class _DryCache:
-    """Cache stand-in for the dry run: reads return fake tensors of the right shape."""
+    """Cache stand-in for the dry run: reads return empty tensors of the right shape (meta or fake, as the round runs)."""
 
     def __init__(self, program: ChunkProgram) -> None:
         self.program = program
