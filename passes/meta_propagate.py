@@ -63,9 +63,15 @@ def _on_meta(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "device": _META}
 
 
+def _empty_meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, strides and dtype."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
+
+
 def to_meta(value: Any) -> Any:
+    """``value`` as a meta tensor that requires grad as it does (non-tensors unchanged)."""
     if isinstance(value, torch.Tensor):
-        out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=_META)
+        out = _empty_meta(value)
         return out.requires_grad_(value.requires_grad) if value.is_floating_point() or value.is_complex() else out
     return value
 
@@ -96,7 +102,7 @@ def run_on_meta(gm: fx.GraphModule, placeholder: Callable[[fx.Node], Any]) -> Op
 
 
 def _meta_arg(t: torch.Tensor) -> torch.Tensor:
-    return t if t.device == _META else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
+    return t if t.device == _META else _empty_meta(t)
 
 
 class OnMeta(TorchDispatchMode):

@@ -457,9 +457,12 @@ def _meta_example(example_flat: Sequence[Any]) -> Optional[tuple[list[Any], Any]
     example's tensors live on several devices (or none), or under autocast (which casts ops on
     its device's tensors, never on meta ones)."""
     devices = {x.device for x in example_flat if isinstance(x, torch.Tensor)}
-    if len(devices) != 1 or torch.is_autocast_enabled(next(iter(devices)).type):
+    if len(devices) != 1:
         return None
-    return [to_meta(x) for x in example_flat], OnMeta(devices.pop())
+    (device,) = devices
+    if torch.is_autocast_enabled(device.type):
+        return None
+    return [to_meta(x) for x in example_flat], OnMeta(device)
 
 
 def _fake_example(example_flat: Sequence[Any]) -> tuple[list[Any], Any]:
