@@ -16,12 +16,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from gradshard.ir import graph_module
 from gradshard.errors import node_error
 from gradshard.pipeline import ancestors
 
 from gradshard.passes.loop_chains import LoopChain
 from gradshard.passes.loop_generic import CarriedPlan
+from gradshard.passes.region_proof import region_subgraph
 
 __all__ = ["LoopSnapshot", "snapshot_loop", "check_rolled_loop"]
 
@@ -38,16 +38,6 @@ class LoopSnapshot:
     inputs: tuple[fx.Node, ...]
     tolerance: float
     where: fx.Node  # named by a failed check (the first stack of outputs)
-
-
-def _subgraph(gm: fx.GraphModule, inputs: list[fx.Node], nodes: set[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {x: g.placeholder(f"in{i}") for i, x in enumerate(inputs)}
-    for n in gm.graph.nodes:
-        if n in nodes and n not in env:
-            env[n] = g.node_copy(n, env.__getitem__)
-    g.output(tuple(env[o] for o in outputs))
-    return graph_module(gm, g)
 
 
 def _outside_inputs(gm: fx.GraphModule, members: set[fx.Node]) -> list[fx.Node]:
@@ -69,7 +59,7 @@ def snapshot_loop(gm: fx.GraphModule, chain: LoopChain, plan: CarriedPlan) -> Lo
               if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
     least = max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float64)
     tol = _TOL.get(least, _LOW_TOL) if torch.finfo(least).eps <= torch.finfo(torch.float32).eps else _LOW_TOL
-    return LoopSnapshot(_subgraph(gm, inputs, members, list(plan.stack_users)), tuple(inputs), tol,
+    return LoopSnapshot(region_subgraph(gm, inputs, members, list(plan.stack_users), widen=False), tuple(inputs), tol,
                         plan.stack_users[0])
 
 
@@ -90,7 +80,7 @@ def check_rolled_loop(snapshot: LoopSnapshot, gm: fx.GraphModule, outs: list[fx.
     if stray:
         raise node_error(stray[0], "internal: the rolled loop reads a graph input the loop did not read",
                          "report this; use plan='seco' for this model meanwhile")
-    rolled = _subgraph(gm, list(snapshot.inputs), nodes | given, outs)
+    rolled = region_subgraph(gm, list(snapshot.inputs), nodes | given, outs, widen=False)
     gen = torch.Generator().manual_seed(0)
     args = [_random_like(x.meta.get("val"), gen) for x in snapshot.inputs]
     if any(a is None for a in args):

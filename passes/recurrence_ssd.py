@@ -30,12 +30,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from gradshard.ir import graph_module
 from gradshard.analysis.consts import evaluate_constant
 from gradshard.analysis.dims import shape_of
+from gradshard.pipeline import ancestors
 
 from gradshard.passes.recurrence_graph import emit_node
-from gradshard.passes.region_proof import exact_arithmetic, widen_float_dtypes
+from gradshard.passes.region_proof import exact_arithmetic, region_subgraph
 
 aten = torch.ops.aten
 
@@ -148,7 +148,7 @@ def _reference(x: torch.Tensor, log_a: torch.Tensor, B: torch.Tensor, C: torch.T
     return torch.einsum("blhpn,blhn->blhp", states, C)
 
 
-def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
+def _assign_roles(gm: fx.GraphModule, exit_node: fx.Node,
                   sources: list[fx.Node]) -> Optional[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
     """``(x, log_a, B, C)`` among ``sources`` such that the region computes the SSD scan."""
     shapes = [shape_of(s) for s in sources]
@@ -160,7 +160,10 @@ def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
         return None
     log_a = decay[0]
     out_shape = shape_of(exit_node)
-    sub = _subgraph(gm, nodes, exit_node, sources)
+    # the region as a callable of its sources, constants recomputed inside; in float64, through
+    # any cast (autocast's around the einsums)
+    src = set(sources)
+    sub = region_subgraph(gm, sources, ancestors([exit_node], within=lambda n: n not in src), exit_node)
     gen = torch.Generator().manual_seed(0)
     vals = {s: torch.randn(shape_of(s), generator=gen, dtype=torch.float64) for s in rest}
     vals[log_a] = -0.5 * torch.rand(shape_of(log_a), generator=gen, dtype=torch.float64)
@@ -183,23 +186,6 @@ def _assign_roles(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node,
         if err <= tol:
             return x, log_a, Bn, Cn
     return None
-
-
-def _subgraph(gm: fx.GraphModule, nodes: set[fx.Node], exit_node: fx.Node, sources: list[fx.Node]) -> fx.GraphModule:
-    """The region as a callable graph of its sources (constants recomputed inside), in float64."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {s: g.placeholder(f"in{i}") for i, s in enumerate(sources)}
-
-    def copy(n: fx.Node) -> fx.Node:
-        if n not in env:
-            for a in n.all_input_nodes:
-                copy(a)
-            env[n] = g.node_copy(n, lambda a: env[a])
-        return env[n]
-
-    g.output(copy(exit_node))
-    widen_float_dtypes(g)  # proven in float64, through any cast (autocast's around the einsums)
-    return graph_module(gm, g)
 
 
 _PADS = (aten.constant_pad_nd.default, aten.pad.default)
@@ -254,7 +240,7 @@ def match_ssd_regions(gm: fx.GraphModule, time_dims: dict[str, tuple[int, ...]])
                 continue
             nodes = region[0]
             sources = _external_inputs(nodes, entries)
-            roles = _assign_roles(gm, nodes, exit_node, sources) if sources is not None else None
+            roles = _assign_roles(gm, exit_node, sources) if sources is not None else None
             if roles is not None:
                 found.append(SsdRegion(*roles, exit=exit_node, nodes=frozenset(nodes)))
     return found

@@ -96,19 +96,21 @@ def constant_value(node: fx.Node, known: dict[str, torch.Tensor],
 
 
 def region_subgraph(gm: fx.GraphModule, inputs: Iterable[fx.Node], nodes: Iterable[fx.Node] | frozenset[fx.Node],
-                    output: fx.Node | Sequence[fx.Node]) -> fx.GraphModule:
-    """``nodes`` of ``gm`` (in graph order) as a callable of ``inputs`` returning ``output`` (a tuple
-    for a sequence of nodes), computing in float64 (:func:`widen_float_dtypes`)."""
+                    output: fx.Node | Sequence[fx.Node], *, widen: bool = True) -> fx.GraphModule:
+    """``nodes`` of ``gm`` (in graph order; an input among them stays an input) as a callable of
+    ``inputs`` returning ``output`` (a tuple for a sequence of nodes); computing in float64
+    (:func:`widen_float_dtypes`) unless ``widen`` is False (at the captured dtypes)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, n in enumerate(inputs):
         env[n] = g.placeholder(f"in{i}")
     members = set(nodes)
     for n in gm.graph.nodes:
-        if n in members:
-            env[n] = g.node_copy(n, lambda a: env[a])
+        if n in members and n not in env:
+            env[n] = g.node_copy(n, env.__getitem__)
     g.output(env[output] if isinstance(output, fx.Node) else tuple(env[o] for o in output))
-    widen_float_dtypes(g)
+    if widen:
+        widen_float_dtypes(g)
     return graph_module(gm, g)
 
 
