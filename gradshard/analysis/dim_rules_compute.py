@@ -175,6 +175,9 @@ def _addmm_rule(node: fx.Node, ctx: DimsContext) -> NodeDims:
     bias, a, b = node.args[0], node.args[1], node.args[2]
     mm = _matmul_dims(ctx.dims(a), ctx.dims(b), shape_of(a) or (), shape_of(b) or (), shape_of(node) or (), ctx)
     bd = broadcast_dims(node, ctx, [bias])
+    for x, y in zip(mm, bd.dims):  # the bias is added elementwise: its full-size dims are the product's
+        if x and y:
+            ctx.unify([(x, None), (y, None)])
     dims = tuple(x | y for x, y in zip(mm, bd.dims))
     ad = ctx.get(a)
     factors = None

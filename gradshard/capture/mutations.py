@@ -21,7 +21,7 @@ import torch.fx as fx
 from gradshard.errors import CaptureError, node_error
 from gradshard.fake import fake_run
 
-__all__ = ["functionalize_buffer_updates"]
+__all__ = ["functionalize_buffer_updates", "unordered_mutations"]
 
 aten = torch.ops.aten
 
@@ -160,3 +160,51 @@ def _functionalize_batch_norm(gm: fx.GraphModule, node: fx.Node, owner: dict[fx.
     for stat, new in ((rm, parts[3]), (rv, parts[4])):
         owner[new] = owner[stat]
         latest[owner[stat]] = new
+
+
+def _aliases(base: fx.Node) -> set[fx.Node]:
+    """``base`` and every node that is the same storage: views of it and in-place ops on it,
+    transitively."""
+    seen = {base}
+    stack = [base]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen or u.op != "call_function" or not u.args or u.args[0] is not n:
+                continue
+            if u.target in _VIEW_OPS or n in _mutated_args(u):
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _VIEW_OPS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def unordered_mutations(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """In-place writes whose effect the graph's data flow does not show: ``(mutation, reader)``
+    pairs where ``reader`` runs after ``mutation`` and reads the written storage through a
+    node that does not depend on the mutation (the tensor itself, or a view of it taken
+    before). Replayed in order the graph computes the model's function; a pass that moves,
+    splits or repeats nodes along their data flow (chunks, shards) would read the storage
+    before the write. Writes into graph inputs are the capture's business, not listed here."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    found: list[tuple[fx.Node, fx.Node]] = []
+    for m in gm.graph.nodes:
+        if m.op != "call_function":
+            continue
+        for written in _mutated_args(m):
+            base = _root(written)
+            if base.op == "placeholder":
+                continue
+            after_m = _aliases(m)  # what reads the storage through m's own result depends on m
+            for a in _aliases(base) - after_m:
+                reader = next((u for u in a.users if order[u] > order[m] and u not in after_m
+                               and not (u.target in _VIEW_OPS and u.args[0] is a)), None)
+                if reader is not None:
+                    found.append((m, reader))
+                    break
+    return found

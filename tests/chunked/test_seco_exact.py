@@ -187,3 +187,25 @@ def test_unused_parameter_keeps_grad_none_and_the_rest_is_exact(plan: str) -> No
     assert model.unused.weight.grad is None and ref.unused.weight.grad is None
     for p, q in zip(model.used.parameters(), ref.used.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+class _MaskPositions(torch.nn.Module):
+    """Positions from an integer cumsum of the mask (OPT's learned positions, falcon's and
+    bloom's ALiBi): an integer value seco keeps in its cache, read by later chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(64, 16), torch.nn.Embedding(64, 16)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = (ids > 0).long()
+        positions = (mask.cumsum(-1) - 1).clamp_min(0) * mask
+        return self.out(self.emb(ids) + self.pos(positions))
+
+
+def test_integer_cache_points_take_no_gradient() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 37))
+    ids[0, :4] = 0  # left padding
+    _check_module(_MaskPositions().double(), (ids,), chunk=8)

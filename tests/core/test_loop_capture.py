@@ -67,6 +67,43 @@ class MergedRows(nn.Module):
         return torch.cumsum(g * x, dim=1)
 
 
+class PieceFilled(nn.Module):
+    """Keys built as transformers' DeepSeek-V3 attention builds them: a fresh tensor whose last
+    dim is written in pieces (``k[..., :d] = k_nope; k[..., d:] = k_rope``), then a causal
+    mixing along time; ``mixed`` writes one column through ``select`` and the rest by slices."""
+
+    def __init__(self, d: int = 5, mixed: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 3), nn.Linear(d, 3 if mixed else 2)
+        self.mixed = mixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.new_empty(*x.shape[:2], 5 + self.mixed)
+        if self.mixed:
+            k[..., 0] = self.a(x)[..., 0]
+            k[..., 1:3] = self.a(x)[..., 1:]
+            k[..., 3:] = self.b(x)
+        else:
+            k[..., 3:] = self.b(x)  # written out of order: the pieces are sorted by position
+            k[..., :3] = self.a(x)
+        return torch.cumsum(torch.tanh(k), dim=1)
+
+
+class ViewReadAfterWrite(nn.Module):
+    """A view taken before an in-place write and read after it: the data flow (slice, then
+    add_) does not show that the slice's values are the written ones."""
+
+    def __init__(self, d: int = 5) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        head = y[..., :2]
+        y.mul_(2.0)
+        return torch.cumsum(head.sum(-1, keepdim=True) * y, dim=1)
+
+
 def _x(b: int = 3, T: int = 7, d: int = 5) -> torch.Tensor:
     return torch.randn(b, T, d, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 
@@ -115,6 +152,28 @@ def test_cast_steps_are_cast_as_copy_does():
     stack = next(n for n in gm.graph.nodes if n.target is aten.stack.default)
     assert stack.meta["val"].dtype == torch.float64
     assert all(p.meta["val"].dtype == torch.float64 for p in stack.args[0])
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_piece_filled_buffer_is_captured_as_a_cat(mixed):
+    gm = capture(PieceFilled(mixed=mixed).double(), (_x(),)).gm
+    ops = _ops(gm)
+    assert aten.copy_.default not in ops and aten.new_empty.default not in ops
+    cat = next(n for n in gm.graph.nodes if n.target is aten.cat.default)
+    assert cat.args[1] == 2 and len(cat.args[0]) == 2 + mixed
+    assert _max_rel_err(PieceFilled(mixed=mixed).double(), _x(), "seco", chunk_size=3) <= 1e-12
+
+
+@pytest.mark.parametrize("model, written", [(lambda: StepFilled(skip=4), "copy_"), (ViewReadAfterWrite, "mul_")])
+def test_write_outside_the_data_flow_is_refused_by_cutting_plans(model, written):
+    """Chunks and shards follow the data flow: a read that sees a write only through the
+    mutation is refused naming the write and its line, and plan none (in order) stays exact."""
+    with pytest.raises(gs.UnsupportedGraphError) as info:
+        gs.compile(model().double(), plan="seco", chunk_size=3)(_x())
+    text = str(info.value)
+    assert f"(call_function {written}." in text
+    assert "test_loop_capture.py" in text and "plan='none'" in text
+    assert _max_rel_err(model().double(), _x(), "none") == 0.0
 
 
 @pytest.mark.parametrize("plan, options", [pytest.param("none", {}, marks=pytest.mark.slow),

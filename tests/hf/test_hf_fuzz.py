@@ -202,6 +202,55 @@ def _overrides(draw: st.DrawFn, family: str, T: int) -> dict[str, Any]:
     if family == "rwkv":
         hidden = draw(st.sampled_from([16, 32, 48]))
         return {"hidden_size": hidden, "attention_hidden_size": hidden, "intermediate_size": 2 * hidden}
+    if family in ("mixtral", "smollm3", "exaone4", "glm4", "gpt_oss"):
+        heads, kv, hd = _attention(draw)
+        hidden = draw(st.sampled_from([16, 32, 48, 64]))
+        out = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": heads,
+               "num_key_value_heads": kv, "head_dim": hd}
+        if family in ("mixtral", "gpt_oss"):
+            out.update(_moe(draw, "num_local_experts"))
+        if family in ("exaone4", "gpt_oss"):
+            out["sliding_window"] = draw(window)
+        if family == "smollm3":
+            out["no_rope_layer_interval"] = draw(st.sampled_from([1, 2]))  # 1: every layer NoPE
+        return out
+    if family in ("phi", "cohere", "olmo2", "starcoder2", "granite"):
+        heads, kv, hd = _attention(draw)
+        hidden = heads * hd  # these derive the head dim from hidden / heads
+        out = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": heads,
+               "num_key_value_heads": kv}
+        if family == "phi":
+            out["qk_layernorm"] = draw(st.booleans())
+        if family == "cohere":
+            out["use_qk_norm"] = draw(st.booleans())
+        if family == "starcoder2":
+            out["sliding_window"] = draw(window)
+        if family == "granite":
+            out.update(embedding_multiplier=draw(st.sampled_from([1.0, 12.0])), attention_multiplier=1.0 / hd)
+        return out
+    if family in ("bloom", "mpt", "falcon", "gptj", "opt"):
+        heads, _, hd = _attention(draw, gqa=False)
+        hidden = heads * hd
+        if family == "bloom":
+            return {"hidden_size": hidden, "n_head": heads}
+        if family == "mpt":
+            return {"d_model": hidden, "n_heads": heads, "expansion_ratio": 2}
+        if family == "gptj":
+            return {"n_embd": hidden, "n_head": heads, "n_inner": 2 * hidden, "rotary_dim": draw(st.sampled_from([4, hd]))}
+        if family == "opt":
+            return {"hidden_size": hidden, "num_attention_heads": heads, "ffn_dim": 2 * hidden,
+                    "word_embed_proj_dim": draw(st.sampled_from([16, hidden]))}
+        return {"hidden_size": hidden, "num_attention_heads": heads, "ffn_hidden_size": 2 * hidden,
+                "alibi": draw(st.booleans()), "parallel_attn": draw(st.booleans())}
+    if family == "deepseek_v3":
+        heads = draw(st.sampled_from([1, 2, 4]))
+        hidden = draw(st.sampled_from([16, 32]))
+        return {"hidden_size": hidden, "intermediate_size": 2 * hidden, "num_attention_heads": heads,
+                "num_key_value_heads": heads, "qk_rope_head_dim": draw(st.sampled_from([2, 4])),
+                "qk_nope_head_dim": draw(st.sampled_from([4, 8])), "v_head_dim": draw(st.sampled_from([4, 8])),
+                "q_lora_rank": draw(st.sampled_from([None, 16])),
+                # 4 experts in n_group=2 groups: the in-group top-2 needs 2 experts per group
+                "n_routed_experts": 4, "num_experts_per_tok": draw(st.integers(1, 2))}
     raise AssertionError(f"no strategy for family {family!r}")
 
 

@@ -42,6 +42,9 @@ EXACT = [
     *[("mamba2", "sdpa", p) for p in ("none", "seco", "adjoint")],
     ("bamba", "sdpa", "seco"),
     ("nemotron_h", "sdpa", "adjoint"),
+    # ALiBi positions from an integer cumsum of the mask, kept in seco's cache (no gradient);
+    # bloom adds them as baddbmm's bias, whose key dim is the product's
+    ("falcon", "sdpa", "seco"), ("bloom", "eager", "seco"),
 ]
 #: Run by the slow matrix below too; kept out of the default suite's time budget.
 EXACT_SLOW = [("mamba", "sdpa", "none"), ("mamba", "sdpa", "seco"), ("mamba", "sdpa", "spaco"), ("mamba", "sdpa", "truncated_adjoint"),
@@ -116,6 +119,43 @@ def test_left_and_right_padded_batch_is_exact(family: str, plan: str) -> None:
     mask[0, :5] = 0  # left padding
     mask[1, -4:] = 0  # right padding
     assert _run_cell(family, "sdpa", plan, float64=True, attention_mask=mask) <= 1e-10
+
+
+@pytest.mark.parametrize("plan", ["seco", "spaco"])
+def test_left_padding_under_an_eager_additive_mask_is_refused(plan: str) -> None:
+    """transformers' eager attention masks with the most negative finite value: a left-padded
+    position, whose every earlier key is padding, weighs all keys alike -- future ones too. A
+    chunk cannot compute that: refused naming the softmax, and the advice (SDPA) is exact."""
+    model, config = build("llama", attn="eager", fp64_loss=False)
+    model.float()  # float32 throughout (in the float64 model the float32 softmax turns the mask to -inf)
+    ids = inputs(config, batch=2, T=T)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.raises(GradshardError, match="masks every key up to it") as info:
+        gs.compile(model, plan=plan, **OPTIONS[plan])(input_ids=ids, attention_mask=mask)
+    assert "node `softmax" in str(info.value) and "attn_implementation='sdpa'" in str(info.value)
+    right = torch.ones_like(ids)
+    right[0, -5:] = 0  # right padding: every row keeps a key
+    assert _run_cell("llama", "eager", plan, float64=True, attention_mask=right) <= 1e-10
+    assert _run_cell("llama", "sdpa", plan, float64=True, attention_mask=mask) <= 1e-10
+
+
+def test_alibi_bias_from_a_right_padded_mask_is_exact() -> None:
+    """bloom's ALiBi is ``baddbmm``'s bias, computed from the mask: its key dim is the scores'
+    key dim (one time axis with the tokens'), so each chunk reads the bias of its prefix."""
+    ids = inputs(build("bloom", attn="eager")[1], batch=2, T=T)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    assert _run_cell("bloom", "eager", "seco", float64=True, attention_mask=mask) <= 1e-10
+
+
+def test_multi_head_latent_attention_keys_written_in_pieces_are_exact() -> None:
+    """DeepSeek-V3's attention writes its keys into a fresh tensor in two slices (``k[..., :d] =
+    k_nope; k[..., d:] = k_rope``): captured as a ``cat``, seco's cache holds the written keys
+    (it held the empty buffer: wrong logits from the second step on). Dense MLPs in both layers
+    (the MoE layers' grouped routing is refused at its ``scatter_``)."""
+    model, config = build("deepseek_v3", fp64_loss=False, first_k_dense_replace=2)
+    assert _compare(model, config, "seco")[0] <= 1e-10
 
 
 def test_hf_call_convention_returns_the_models_output_with_loss() -> None:

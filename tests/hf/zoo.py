@@ -67,6 +67,82 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "hidden_size": HIDDEN, "num_attention_heads": 4, "intermediate_size": 64,
         "max_position_embeddings": MAX_POS,
     },
+    # ALiBi position bias, fused QKV, LayerNorm after the embedding (eager only)
+    "bloom": {"hidden_size": HIDDEN, "n_head": 4},
+    # ALiBi through attn_config, no biases, MPT's low-precision LayerNorm
+    "mpt": {
+        "d_model": HIDDEN, "n_heads": 4, "expansion_ratio": 2, "max_seq_len": MAX_POS,
+        "attn_config": {"alibi": True, "alibi_bias_max": 8},
+    },
+    # ALiBi (not rotary), multi-query (1 KV head), attention and MLP in parallel
+    "falcon": {
+        "hidden_size": HIDDEN, "num_attention_heads": 4, "num_kv_heads": 1, "alibi": True,
+        "multi_query": True, "parallel_attn": True, "new_decoder_architecture": False,
+        "bias": True, "ffn_hidden_size": 64, "max_position_embeddings": MAX_POS,
+    },
+    # multi-head latent attention (low-rank q and kv, split rope/nope head dims, interleaved
+    # rope), layer 0 dense MLP, layer 1 grouped-top-k MoE with a shared expert
+    "deepseek_v3": {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": MAX_POS,
+        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+        "v_head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    },
+    # attention sinks (learned per-head softmax sink logit), biased attention, sliding +
+    # full layers, YaRN rope, MoE with clamped SwiGLU experts (eager only)
+    "gpt_oss": {
+        **_DECODER, "intermediate_size": 32, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "num_local_experts": 4, "num_experts_per_tok": 2,
+        "rope_parameters": {
+            "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0,
+        },
+    },
+    # top-2 of 4 sparse MoE on every layer, full attention
+    "mixtral": {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # partial rotary (half of head_dim), q/k LayerNorm, attention and MLP in parallel
+    "phi": {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "max_position_embeddings": MAX_POS, "qk_layernorm": True,
+    },
+    # interleaved partial rotary (rotary_dim 4 of 8), parallel attention + MLP
+    "gptj": {"n_embd": HIDDEN, "n_head": 4, "rotary_dim": 4, "n_inner": 64, "n_positions": MAX_POS},
+    # LayerNorm without bias (computed in float32), q/k norm, parallel block, logit scale
+    "cohere": {
+        **{k: v for k, v in _DECODER.items() if k != "head_dim"}, "logit_scale": 0.0625,
+        "use_qk_norm": True,
+    },
+    # q/k RMSNorm over all heads, norms after attention and MLP (post-norm residual)
+    "olmo2": {k: v for k, v in _DECODER.items() if k != "head_dim"},
+    # biased projections, LayerNorm, GELU MLP, sliding window
+    "starcoder2": {
+        **{k: v for k, v in _DECODER.items() if k != "head_dim"}, "sliding_window": 16,
+        "use_bias": True,
+    },
+    # muP-style multipliers on embeddings, residuals, attention scores and logits
+    "granite": {
+        **{k: v for k, v in _DECODER.items() if k != "head_dim"}, "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22, "attention_multiplier": 0.125, "logits_scaling": 8.0,
+    },
+    # learned positions (offset 2, from the attention mask's cumsum), embedding projections
+    # in and out (word_embed_proj_dim 16 != hidden 32), ReLU MLP. No biases: without rotary,
+    # k_proj.bias adds q.b_k to every key of a query alike, so its gradient is 0 in exact
+    # arithmetic and a per-parameter relative error would compare rounding noise with noise.
+    "opt": {
+        "hidden_size": HIDDEN, "ffn_dim": 64, "num_attention_heads": 4,
+        "max_position_embeddings": MAX_POS, "word_embed_proj_dim": 16, "enable_bias": False,
+    },
+    # NoPE every second layer (layer 1 has no rotary)
+    "smollm3": {**_DECODER, "no_rope_layer_interval": 2},
+    # sliding layers with rope, full layers without (NoPE), q/k norm, post-norms
+    "exaone4": {
+        **_DECODER, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # interleaved partial rotary (factor 0.5), biased qkv, post-attention/MLP norms,
+    # fused gate_up projection
+    "glm4": {**_DECODER, "attention_bias": True},
     "mamba": {
         "hidden_size": HIDDEN, "state_size": 8, "intermediate_size": 64, "time_step_rank": 4,
         "conv_kernel": 4, "expand": 2,

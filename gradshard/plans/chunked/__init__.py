@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradshard.passes.annotate_time import annotate_time_locality
+from gradshard.passes.check_mutations import refuse_unordered_mutations
 from gradshard.passes.canonicalize_recurrence import canonicalize_recurrences
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.passes.recurrence_delta import rewrite_delta_rule_blocks
@@ -36,6 +37,10 @@ PASSES = (
     # per block, outputs from a masked intra-block product) becomes its step recurrence, a loop
     # carrying (C, n, m) that the loop rolling below handles (proven on the region first).
     rewrite_chunkwise_mlstm,
+    # Before anything cuts the graph along its data flow, after the block rewrites (xLSTM's and
+    #    the delta rule's loops write their per-block pieces in place; those rewrites consume them):
+    #    an in-place write that a later reader sees only through the mutation is refused here.
+    refuse_unordered_mutations,
     # The time analysis comes next: everything after reads ctx.analyses["time"].
     annotate_time_locality,
     # Per-timestep Python loops become one linear_scan each, or, without a linear update, one

@@ -25,6 +25,10 @@ import torch
 __all__ = ["CacheSpec", "CacheStore"]
 
 
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache point: node, its time dim and length, and how many past steps are read."""
@@ -82,7 +86,7 @@ class CacheStore:
         spec = self.specs[name]
         if spec.retention is None:
             buf = self.buffers[name]
-            if not self.grad_mode:
+            if not (self.grad_mode and _differentiable(buf)):  # integer caches (positions) take no gradient
                 return buf.narrow(spec.dim, lo, hi - lo)
             leaf = self.leaves.get(name)
             if leaf is None:
@@ -97,7 +101,7 @@ class CacheStore:
             p_hi = p_lo + piece.shape[spec.dim]
             if p_lo >= hi or p_hi <= lo:
                 continue
-            if self.grad_mode:
+            if self.grad_mode and _differentiable(piece):
                 key = (name, j)
                 leaf = self.leaves.get(key)
                 if leaf is None:

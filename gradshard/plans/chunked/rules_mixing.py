@@ -232,7 +232,41 @@ def _softmax_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, e
     if demand[k][0] != 0 or (other and demand[k][1] != other[0][1]):
         raise RuntimeError(f"gradshard internal: softmax `{node.name}` asked for keys {demand[k]} "
                            f"with queries {other}; keys must be the causal prefix")
+    _refuse_fully_masked_rows(node, vals[0], d)
     return default_run(node, vals, demand, arg_demands, ev)
+
+
+def _softmax_input_dtype(node: fx.Node, x: torch.Tensor) -> torch.dtype:
+    """The dtype the softmax computes in (``softmax(x, dim, dtype)``; ``_softmax``'s half_to_float)."""
+    if node.target in (aten.softmax.int, aten.log_softmax.int):
+        dtype = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
+        return dtype or x.dtype
+    half_to_float = node.args[2] if len(node.args) > 2 else False
+    return torch.float32 if half_to_float and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int) -> None:
+    """Raise if a query row masks every key of its causal prefix with a finite value.
+
+    A causal mask is additive, and transformers' eager attention masks with the dtype's most
+    negative finite value, not -inf: where a row keeps one key, the masked ones weigh exactly 0
+    and the prefix is the whole softmax. A row that keeps none (a left-padded position, every
+    key before it padding) weighs every key alike, future ones included: eager averages the
+    values of the whole sequence there, which a chunk of the causal prefix cannot compute.
+    (With -inf the row is NaN in eager and in the chunk alike.)"""
+    if scores.device.type == "meta" or isinstance(scores, torch._subclasses.FakeTensor) or not scores.numel():
+        return
+    x = scores.detach().to(_softmax_input_dtype(node, scores))
+    if not x.is_floating_point():
+        return
+    top = x.amax(dim=d)
+    if bool(((top <= torch.finfo(x.dtype).min / 2) & top.isfinite()).any()):
+        raise node_error(
+            node, "a query row of this attention masks every key up to it with a finite value (left "
+            "padding under an additive eager mask): the model then averages the values of every "
+            "position, future ones included, which a chunk of the sequence cannot compute",
+            "pad on the right, use attn_implementation='sdpa' where the model has it (its masked rows "
+            "read no future keys), or use plan='none'")
 
 
 @register_chunk_rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)

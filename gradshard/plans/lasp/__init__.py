@@ -48,6 +48,7 @@ from typing import Any
 import torch.fx as fx
 
 from gradshard.passes.annotate_time import annotate_time_locality
+from gradshard.passes.check_mutations import refuse_unordered_mutations
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.errors import GradshardError
 from gradshard.pipeline import PassContext
@@ -88,6 +89,8 @@ def join_lasp_group(gm: fx.GraphModule, ctx: PassContext) -> tuple[str, ...]:
 PASSES = (
     # (join_lasp_group, the plan's prepare step, has fixed the time-axis hint that the
     # analysis reads and this rank's slice of the sequence before these passes run.)
+    # First: the rewrite cuts the graph along its data flow (see the chunked plans' list).
+    refuse_unordered_mutations,
     annotate_time_locality,
     # Detection needs ctx.analyses["time"]; it caches the linear-attention analysis
     # (components, certified specs, rejections) that the rewrite consumes.
