@@ -97,3 +97,40 @@ def test_only_the_layer_input_and_checkpoints_are_saved():
     assert len(stacked) == 1  # the checkpoints at steps 4 and 8 (12 steps, shards of 4), one tensor
     assert not [t for t in saved if t.dim() == 4 and t.shape[1] == 12]  # no (B, T, N, P) tensor (u or h) is kept
     del region_saved, out
+
+
+class _MaskPositionsSSM(nn.Module):
+    """Positions from the cumsum of a padding mask (OPT's learned positions) added to the input of
+    a diagonal SSM: the positions' scan computes no gradient, the SSM's does."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(16, d)
+        self.ssm = DiagonalSSM(d=d, layers=1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        positions = (torch.cumsum(mask, dim=1) * mask - 1).clamp_min(0).long()
+        return self.ssm(x + self.pos(positions))
+
+
+def test_a_scan_without_gradient_is_not_a_region():
+    """A scan of values that depend on no parameter stays a plain op (autograd saves nothing for
+    it); only the SSM's recurrence is sharded. With no other scan the refusal names it."""
+    mask = torch.ones(2, 9, dtype=torch.long)  # OPT's: an integer mask (a float one would take a gradient)
+    mask[1, -3:] = 0
+    cm = assert_same_grads(init_like_training(_MaskPositionsSSM()).double(), (_x(), mask), shard_size=4)
+    assert [name for name, _ in cm.graph.named_children() if name.startswith("adjoint_")] == ["adjoint_0"]
+    with pytest.raises(UnsupportedGraphError, match="compute no gradient") as err:
+        gs.compile(_MaskPositionsSSMFree(), plan="adjoint")(_x(), mask.double())  # OPT casts its mask to float
+    assert "test_detection.py" in str(err.value)
+
+
+class _MaskPositionsSSMFree(nn.Module):
+    """Positions from the mask scaled by a parameter-free function of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(x) * torch.cumsum(mask, dim=1)[..., None]

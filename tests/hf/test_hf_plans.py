@@ -45,6 +45,8 @@ EXACT = [
     # ALiBi positions from an integer cumsum of the mask, kept in seco's cache (no gradient);
     # bloom adds them as baddbmm's bias, whose key dim is the product's
     ("falcon", "sdpa", "seco"), ("bloom", "eager", "seco"),
+    # multi-head latent attention and grouped top-k routing (a scatter along the experts)
+    ("deepseek_v3", "sdpa", "seco"),
 ]
 #: Run by the slow matrix below too; kept out of the default suite's time budget.
 EXACT_SLOW = [("mamba", "sdpa", "none"), ("mamba", "sdpa", "seco"), ("mamba", "sdpa", "spaco"), ("mamba", "sdpa", "truncated_adjoint"),

@@ -47,7 +47,7 @@ from gradshard.errors import UnsupportedGraphError, node_error, summary
 from gradshard.ir import Region, source_of, graph_module
 from gradshard.ops.dense_scan import dense_linear_scan_flops
 from gradshard.ops.linear_scan import linear_scan_flops
-from gradshard.pipeline import PassContext, PassResult, graph_pass
+from gradshard.pipeline import PassContext, PassResult, descendants, graph_pass
 from gradshard.plans.adjoint.links import assign_gradient_donors, chain_layer_inputs, recycle_segment_inputs
 from gradshard.plans.adjoint.chunked import ChunkedForm, block_form_flops, match_chunked_form
 from gradshard.plans.adjoint.runtime import AdjointRegion, InputRemat
@@ -495,6 +495,21 @@ def _install_tail(gm: fx.GraphModule, tail: TailPlan, seg: LocalSegment, facts: 
                            "kept_bytes": tail.kept, "autograd_saved_bytes": tail.autograd_saved})
 
 
+def _node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _with_gradient(gm: fx.GraphModule, sites: list[Any]) -> list[Any]:
+    """The sites a gradient flows through: a scan of values that depend on no parameter or input
+    that requires grad (positions from the attention mask's cumsum) stays a plain op, which
+    autograd runs with nothing to save. All sites where nothing in the graph requires grad."""
+    seeds = [n for n in gm.graph.find_nodes(op="placeholder") if n.meta.get("gs_requires_grad")]
+    if not seeds:
+        return sites
+    reached = {n.name for n in descendants(seeds)}
+    return [s for s in sites if s.h in reached]
+
+
 @graph_pass
 def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace each linear-recurrence region by an ``AdjointRegion`` module (see module doc)."""
@@ -504,10 +519,14 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     shard = int(getattr(opts, "shard_size", 256))
     new = copy_graph_module(gm)
     new.graph.eliminate_dead_code()
-    sites = find_scan_sites(new, tl)
+    found = find_scan_sites(new, tl)
+    sites = _with_gradient(new, found)
     if not sites:
+        idle = (f" (the {len(found)} scan(s) found compute no gradient: `{found[0].h}` "
+                f"at {source_of(_node(new, found[0].h)) or 'an unknown line'}, e.g. positions from the attention mask)"
+                if found else "")
         raise UnsupportedGraphError(
-            f"plan={ctx.plan!r}: no linear recurrence (h_t = a_t * h_(t-1) + u_t) found in the captured graph.\n"
+            f"plan={ctx.plan!r}: no linear recurrence (h_t = a_t * h_(t-1) + u_t) found in the captured graph{idle}.\n"
             "  why: adjoint sharding rewrites linear recurrences (per-step loops, gradshard.kernels.linear_scan, "
             "log-space cumsum scans, associative_scan); the model has none that gradshard recognises.\n"
             "  instead: use plan='seco' (any model) or plan='none'; `gradshard show` lists what was found.")

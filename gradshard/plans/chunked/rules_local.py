@@ -169,7 +169,18 @@ def _expand_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev
 
 @register_chunk_rule(aten.expand, aten.broadcast_to)
 def _expand_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
-    return positional(node, bc, _broadcast_mapper(node), run=_expand_run)
+    """Time dims of the input keep their place; a dim of size 1 (or a new leading one) expanded
+    to the sequence length that the time analysis puts on time (gpt-oss's per-head sink logit
+    expanded to every query) becomes a time dim, expanded to the chunk's steps."""
+    src = node.args[0]
+    out, shp = meta_shape(node), meta_shape(src)
+    info = bc.tl.info.get(node.name)
+    grown = [TDim(d, out[d]) for d in (info.time_dims if info is not None else ())
+             if out[d] == bc.tl.seq_len and (d < len(out) - len(shp) or shp[d - len(out) + len(shp)] == 1)]
+    return positional(node, bc, _broadcast_mapper(node), run=_expand_run, extra=grown)
+
+
+_expand_rule.factory = True  # type: ignore[attr-defined]  # may make time from an input without it
 
 
 @register_chunk_rule(aten.repeat)
@@ -309,6 +320,36 @@ def _gather_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if node.target is aten.index_select.default:
         return positional(node, bc, lambda i, a, td: td if a is src else TDim(dim, td.length, td.inner))
     return positional(node, bc, lambda i, a, td: td)
+
+
+#: in-place scatters and their out-of-place twins (a chunk runs the twin: its ``self`` may be a
+#: slice of a value the program keeps, which an in-place write would change for a later recompute)
+_SCATTERS = {
+    aten.scatter_.value: aten.scatter.value, aten.scatter_.src: aten.scatter.src,
+    aten.scatter_add_.default: aten.scatter_add.default, aten.scatter_reduce_.two: aten.scatter_reduce.two,
+    aten.scatter.value: aten.scatter.value, aten.scatter.src: aten.scatter.src,
+    aten.scatter_add.default: aten.scatter_add.default, aten.scatter_reduce.two: aten.scatter_reduce.two,
+}
+
+
+def _scatter_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
+    args, kwargs = rebuild_args(node, vals)
+    return _SCATTERS[node.target](*args, **kwargs)
+
+
+@register_chunk_rule(aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_, aten.scatter_reduce,
+                     aten.scatter_reduce_)
+def _scatter_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """Scatter along a dim that is not time (a router marking each token's chosen groups or
+    experts): local, each step's row written from that step's index and source; refused along
+    time (a step's value would land on steps chosen by data)."""
+    if node.target not in _SCATTERS:
+        raise node_error(node, f"gradshard has no chunk rule for the `{op_name(node)}` overload", _INSTEAD)
+    src = node.args[0]
+    dim = _norm(node.args[1], len(meta_shape(src)))
+    if any(t.dim == dim for a in (src, node.args[2]) for t in bc.frame(a)):
+        raise node_error(node, "scatters along the time axis (writes steps chosen by data)", _INSTEAD)
+    return positional(node, bc, lambda i, a, td: td, run=_scatter_run)
 
 
 def _cat_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
