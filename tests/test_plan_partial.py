@@ -218,3 +218,34 @@ def test_compiled_full_parameters_round_trip_and_refuse_a_broadcast() -> None:
         cm.load_full_parameters({"up.weight": torch.zeros(2, 6, dtype=DT)})
     with pytest.raises(GradshardError, match="unknown parameter name"):
         cm.full_parameters(["up.weight_slice"])
+
+
+class MatmulBlock(nn.Module):
+    """The GELU MLP written as ``x @ W.T + b`` (transformers' ``FalconLinear``, hand-written
+    layers): the capture folds ``matmul(x, t(W))`` into ``linear(x, W)``, bit for bit."""
+
+    def __init__(self, d: int = 3, h: int = 9) -> None:
+        super().__init__()
+        self.w_up, self.b_up = nn.Parameter(torch.randn(h, d)), nn.Parameter(torch.randn(h))
+        self.w_down = nn.Parameter(torch.randn(d, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ self.w_up.T + self.b_up) @ self.w_down.T
+
+
+def test_projections_written_as_matmuls_with_transposed_weights_are_sliced() -> None:
+    torch.manual_seed(3)
+    ref = MatmulBlock().to(DT)
+    cm = gs.compile(copy.deepcopy(ref), plan="partial_update", num_slices=3, slice_index=1)
+    x = torch.randn(3, 5, 3, dtype=DT)
+    plain = gs.compile(copy.deepcopy(ref), plan="none")
+    assert torch.equal(plain(x), ref(x))  # the folded linear is the matmul it replaces, bit for bit
+    assert [n.target for n in plain.graph.graph.nodes if n.op == "call_function"].count(torch.ops.aten.linear.default) == 2
+    out = cm(x)
+    assert ((out - ref(x)).norm() / ref(x).norm()).item() <= 1e-13
+    assert _roles(cm) == {"w_up": "mlp_in", "w_down": "mlp_out"}
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    for name, (orig, (dim, lo, hi)) in cm.parameter_slices().items():
+        torch.testing.assert_close(cm.get_parameter(name).grad, ref.get_parameter(orig).grad.narrow(dim, lo, hi - lo),
+                                   rtol=1e-10, atol=0)

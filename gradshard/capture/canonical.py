@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from gradshard.capture.step_writes import stack_step_writes
 
-__all__ = ["canonicalize", "CANONICAL_REWRITES", "drop_empty_cat_pieces", "drop_noop_casts"]
+__all__ = ["canonicalize", "CANONICAL_REWRITES", "drop_empty_cat_pieces", "drop_noop_casts", "fold_transposed_weights"]
 
 aten = torch.ops.aten
 _CATS = (aten.cat.default, aten.concat.default, aten.concatenate.default)
@@ -70,9 +70,39 @@ def drop_noop_casts(gm: fx.GraphModule) -> int:
     return changed
 
 
+_TRANSPOSES = (aten.t.default, aten.numpy_T.default)
+
+
+def _is_state(node: object) -> bool:
+    """A parameter or buffer placeholder (named after the module state, not ``input{i}``)."""
+    return (isinstance(node, fx.Node) and node.op == "placeholder"
+            and not str(node.meta.get("gs_input_name", "input")).startswith("input"))
+
+
+def fold_transposed_weights(gm: fx.GraphModule) -> int:
+    """``matmul(x, t(W))`` -> ``linear(x, W)`` for a 2-D parameter or buffer ``W``.
+
+    ``x @ self.weight.T`` (transformers' ``FalconLinear``, hand-written layers) is what
+    ``aten.linear`` without a bias runs, bit for bit; as a ``linear`` the projection is one
+    op every analysis knows (partial updates slice it)."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.matmul.default or len(node.args) != 2:
+            continue
+        x, wt = node.args
+        if not (isinstance(wt, fx.Node) and wt.op == "call_function" and wt.target in _TRANSPOSES
+                and _is_state(wt.args[0]) and _shape(wt.args[0]) is not None and len(_shape(wt.args[0])) == 2):
+            continue
+        node.target, node.args = aten.linear.default, (x, wt.args[0])
+        if not wt.users:
+            gm.graph.erase_node(wt)
+        changed += 1
+    return changed
+
+
 #: The rewrites, in order (independent of one another so far).
 CANONICAL_REWRITES: tuple[Callable[[fx.GraphModule], int], ...] = (drop_empty_cat_pieces, drop_noop_casts,
-                                                                     stack_step_writes)
+                                                                     stack_step_writes, fold_transposed_weights)
 
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
