@@ -522,13 +522,12 @@ def rewrite_adjoint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     found = find_scan_sites(new, tl)
     sites = _with_gradient(new, found)
     if not sites:
-        idle = (f" (the {len(found)} scan(s) found compute no gradient: `{found[0].h}` "
-                f"at {source_of(_node(new, found[0].h)) or 'an unknown line'}, e.g. positions from the attention mask)"
-                if found else "")
+        idle = (f" (its {len(found)} scan(s) compute no gradient, e.g. positions from the attention "
+                f"mask: `{found[0].h}` at {source_of(_node(new, found[0].h)) or 'an unknown line'})" if found else "")
         raise UnsupportedGraphError(
-            f"plan={ctx.plan!r}: no linear recurrence (h_t = a_t * h_(t-1) + u_t) found in the captured graph{idle}.\n"
+            f"plan={ctx.plan!r}: no linear recurrence (h_t = a_t * h_(t-1) + u_t) found in the captured graph.\n"
             "  why: adjoint sharding rewrites linear recurrences (per-step loops, gradshard.kernels.linear_scan, "
-            "log-space cumsum scans, associative_scan); the model has none that gradshard recognises.\n"
+            f"log-space cumsum scans, associative_scan); the model has none that gradshard recognises{idle}.\n"
             "  instead: use plan='seco' (any model) or plan='none'; `gradshard show` lists what was found.")
     live = live_nodes(new)
     facts = time_facts(new, tl)
