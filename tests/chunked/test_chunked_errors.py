@@ -96,3 +96,37 @@ def test_second_backward_and_bad_spaco_inputs_are_explained() -> None:
         sp(ids).sum().backward()
     with pytest.raises(gs.GradshardError, match="max_compensation"):
         gs.compile(model, plan="spaco", chunk_size=4, max_compensation=-1.0)(ids)
+
+
+class _PaddedSoftmaxAttention(nn.Module):
+    """Hand-written attention with an additive ``-1e9`` mask: causal, plus a padding mask."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        allowed = causal[None] & keep[:, None, :].bool()
+        scores = q @ k.transpose(1, 2) / 8 ** 0.5 + (~allowed).to(x.dtype) * -1e9
+        return self.out(torch.softmax(scores, dim=-1) @ v)
+
+
+def test_a_row_with_every_key_masked_by_a_finite_value_is_refused() -> None:
+    """A left-padded row keeps no key of its prefix: with a finite mask value the softmax weighs
+    every key, future ones too, which a chunk cannot compute. Refused naming the softmax; right
+    padding (every row keeps a key) is exact."""
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    left = torch.ones(2, 9)
+    left[0, :3] = 0
+    with pytest.raises(gs.UnsupportedGraphError, match="masks every key up to it") as info:
+        gs.compile(_PaddedSoftmaxAttention().double(), plan="seco", chunk_size=3)(x, left)
+    assert "node `softmax" in str(info.value) and "test_chunked_errors.py" in str(info.value)
+    right = torch.ones(2, 9)
+    right[0, -3:] = 0
+    model = _PaddedSoftmaxAttention().double()
+    want = model(x, right)
+    got = gs.compile(model, plan="seco", chunk_size=3)(x, right)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

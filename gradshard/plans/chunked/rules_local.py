@@ -57,7 +57,8 @@ _POINTWISE = [
     aten.exp, aten.log, aten.rsqrt, aten.sqrt, aten.square, aten.abs, aten.sin, aten.cos,
     aten.erf, aten.reciprocal, aten.log1p, aten.expm1, aten.sign, aten.floor, aten.ceil,
     aten.round, aten.trunc, aten.remainder, aten.fmod, aten.bitwise_and, aten.bitwise_or,
-    aten.bitwise_xor, aten.logaddexp, aten.atan2, aten.hypot, aten.xlogy, aten.log_sigmoid,
+    aten.bitwise_xor, aten.__and__, aten.__or__, aten.__xor__, aten.logaddexp, aten.atan2, aten.hypot, aten.xlogy,
+    aten.log_sigmoid,
 ]
 register_chunk_rule(*_POINTWISE, "pointwise")(pointwise_rule)
 

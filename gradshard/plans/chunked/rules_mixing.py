@@ -249,9 +249,9 @@ def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int) -> No
     """Raise if a query row masks every key of its causal prefix with a finite value.
 
     A causal mask is additive, and transformers' eager attention masks with the dtype's most
-    negative finite value, not -inf: where a row keeps one key, the masked ones weigh exactly 0
+    negative finite value (others use -1e9), not -inf: where a row keeps one key, the masked ones weigh 0
     and the prefix is the whole softmax. A row that keeps none (a left-padded position, every
-    key before it padding) weighs every key alike, future ones included: eager averages the
+    key before it padding) weighs every key, future ones included: eager mixes the
     values of the whole sequence there, which a chunk of the causal prefix cannot compute.
     (With -inf the row is NaN in eager and in the chunk alike.)"""
     if scores.device.type == "meta" or isinstance(scores, torch._subclasses.FakeTensor) or not scores.numel():
@@ -260,10 +260,12 @@ def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int) -> No
     if not x.is_floating_point():
         return
     top = x.amax(dim=d)
-    if bool(((top <= torch.finfo(x.dtype).min / 2) & top.isfinite()).any()):
+    # masked as the causality proof reads a mask (``is_causal_mask``: below -1e4), finite (a row of
+    # -inf is NaN in eager and in the chunk alike)
+    if bool(((top < -1e4) & top.isfinite()).any()):
         raise node_error(
             node, "a query row of this attention masks every key up to it with a finite value (left "
-            "padding under an additive eager mask): the model then averages the values of every "
+            "padding under an additive eager mask): the model then weighs the values of every "
             "position, future ones included, which a chunk of the sequence cannot compute",
             "pad on the right, use attn_implementation='sdpa' where the model has it (its masked rows "
             "read no future keys), or use plan='none'")
