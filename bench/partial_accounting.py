@@ -65,6 +65,7 @@ PAPER_TABLE1: dict[str, tuple[float, float]] = {
 PAPER_MEMORY_TARGET = 0.40  # >= 40% less memory for 1/4 MLPs + 1/4 heads
 PAPER_FLOPS_TARGET = 0.15  # ~15% fewer training FLOPs
 
+
 @dataclass(frozen=True)
 class RowResult:
     """Measured memory and FLOPs of one variant (bytes; FLOPs of one training step)."""

@@ -17,7 +17,7 @@ try:  # Inductor's own graph modules: Python code generated at the first call, n
 except ImportError:  # pragma: no cover - an older torch: code generated at construction
     _GraphModuleClass = fx.GraphModule
 
-__all__ = ["SourceLoc", "Region", "PassRecord", "Stage", "source_of", "graph_module"]
+__all__ = ["SourceLoc", "Region", "PassRecord", "Stage", "source_of", "graph_module", "is_call_input"]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
 _INTERNAL = ("/torch/", "/gradshard/", "/passes/", "/kernels/", "<eval_with_key>")
@@ -108,6 +108,12 @@ class Stage:
     flops: int = 0
     kernel: str = "torch"
     note: str = ""
+
+
+def is_call_input(ph: fx.Node) -> bool:
+    """A placeholder that is a call input (``input{i}``), not a parameter or buffer (named after
+    the module state by the capture); an untagged placeholder counts as an input."""
+    return str(ph.meta.get("gs_input_name", "input")).startswith("input")
 
 
 def graph_module(root: torch.nn.Module | dict, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:

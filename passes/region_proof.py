@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.autocast import AutocastState
-from gradshard.ir import graph_module
+from gradshard.ir import graph_module, is_call_input
 
 aten = torch.ops.aten
 
@@ -33,7 +33,7 @@ _SHAPE_ONLY = {aten.new_zeros, aten.new_ones, aten.new_full, aten.zeros_like, at
 
 def is_data(ph: fx.Node) -> bool:
     """A placeholder that is a call input (not a parameter or buffer)."""
-    return str(ph.meta.get("gs_input_name", "input")).startswith("input")
+    return is_call_input(ph)
 
 
 def _shape_only(node: fx.Node) -> bool:

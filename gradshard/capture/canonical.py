@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.capture.step_writes import stack_step_writes
+from gradshard.ir import is_call_input
 
 __all__ = ["canonicalize", "CANONICAL_REWRITES", "drop_empty_cat_pieces", "drop_noop_casts", "fold_transposed_weights"]
 
@@ -74,9 +75,8 @@ _TRANSPOSES = (aten.t.default, aten.numpy_T.default)
 
 
 def _is_state(node: object) -> bool:
-    """A parameter or buffer placeholder (named after the module state, not ``input{i}``)."""
-    return (isinstance(node, fx.Node) and node.op == "placeholder"
-            and not str(node.meta.get("gs_input_name", "input")).startswith("input"))
+    """A parameter or buffer placeholder."""
+    return isinstance(node, fx.Node) and node.op == "placeholder" and not is_call_input(node)
 
 
 def fold_transposed_weights(gm: fx.GraphModule) -> int:

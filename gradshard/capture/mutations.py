@@ -59,12 +59,14 @@ def _functional_overload(target: torch._ops.OpOverload) -> torch._ops.OpOverload
     return getattr(packet, overload, None) if packet is not None else None
 
 
-def _base_buffer(node: fx.Node, owner: dict[fx.Node, int]) -> int | None:
-    while node not in owner:
-        if node.op != "call_function" or node.target not in _VIEW_OPS:
-            return None
+def _root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _VIEW_OPS and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    return owner[node]
+    return node
+
+
+def _base_buffer(node: fx.Node, owner: dict[fx.Node, int]) -> int | None:
+    return owner.get(_root(node))
 
 
 def functionalize_buffer_updates(gm: fx.GraphModule, buffer_placeholders: Sequence[fx.Node],
@@ -176,12 +178,6 @@ def _aliases(base: fx.Node) -> set[fx.Node]:
                 seen.add(u)
                 stack.append(u)
     return seen
-
-
-def _root(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _VIEW_OPS and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
 
 
 def unordered_mutations(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
