@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -345,23 +345,71 @@ _BOOL_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.defa
 _BOOL_OR = {aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default}
 
 
+_WHERE = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar}
+#: comparisons with a constant that turn an additive float mask into a boolean one
+_BELOW = {aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor}  # True where masked
+_ABOVE = {aten.gt.Scalar, aten.gt.Tensor, aten.ge.Scalar, aten.ge.Tensor}  # True where kept
+_MASKED = -1e4  # an additive mask's masked entries are below this (``is_causal_mask``)
+
+
+def _constant(x: Any, known: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+    """``x`` (a number or a node computed from constants) as a tensor, else None."""
+    if isinstance(x, (int, float)):
+        return torch.tensor(float(x))
+    return evaluate_constant(x, known) if isinstance(x, fx.Node) else None
+
+
+def _all(x: Any, known: dict[str, torch.Tensor] | None, test: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    c = _constant(x, known)
+    return c is not None and c.numel() > 0 and bool(test(c.double()).all())
+
+
+def _same_trailing(a: Any, val: torch.Tensor) -> bool:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[-2:]) == tuple(val.shape[-2:])
+
+
 def _causal_by_structure(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] | None) -> bool:
-    """A boolean mask that reads a graph input (a padding mask) is causal when it masks at least
-    what a causal operand masks: ``causal & other`` where True keeps (SDPA, ``where``),
-    ``causal | other`` where True masks (``masked_fill``); seen through ops that keep the
-    mask's trailing (query, key) sizes (a ``(1, S)`` row broadcast to ``(L, S)`` is not)."""
+    """A mask that reads a graph input (a padding mask) is causal when it masks at least what a
+    causal operand masks, seen through ops that keep the mask's trailing (query, key) sizes (a
+    ``(1, S)`` row broadcast to ``(L, S)`` is not):
+
+    - boolean: ``causal & other`` where True keeps (SDPA, ``where``), ``causal | other`` where
+      True masks (``masked_fill``); ``f < c`` (True masks) and ``f > c`` (True keeps) of an
+      additive causal ``f`` and a constant ``c >= -1e4``;
+    - additive float (``add``, SDPA): ``masked_fill(x, causal, v)`` and ``where(keep, x, v)`` with
+      a constant ``v < -1e4`` (falcon's ALiBi bias masked by the causal and padding mask).
+    """
     val = mask.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2:
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return False
-    combine = _BOOL_OR if op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) else _BOOL_AND
-    if mask.target in _MASK_PASS and isinstance(mask.args[0], fx.Node):
-        src = mask.args[0].meta.get("val")
-        return (isinstance(src, torch.Tensor) and src.dim() >= 2 and tuple(src.shape[-2:]) == tuple(val.shape[-2:])
-                and is_causal_mask(op, mask.args[0], known))
-    if mask.target in combine:
-        return any(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-                   and a.meta["val"].dim() >= 2 and tuple(a.meta["val"].shape[-2:]) == tuple(val.shape[-2:])
-                   and is_causal_mask(op, a, known) for a in mask.args[:2])
+    t, args = mask.target, mask.args
+    if t in _MASK_PASS and isinstance(args[0], fx.Node):
+        return _same_trailing(args[0], val) and is_causal_mask(op, args[0], known)
+    masks_where_true = op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+    if val.dtype == torch.bool:
+        combine = _BOOL_OR if masks_where_true else _BOOL_AND
+        if t in combine:
+            return any(_same_trailing(a, val) and is_causal_mask(op, a, known) for a in args[:2])
+        compare = _BELOW if masks_where_true else _ABOVE
+        if t in compare and len(args) == 2 and _same_trailing(args[0], val):
+            return (_all(args[1], known, lambda c: c >= _MASKED)
+                    and is_causal_mask(aten.add.Tensor, args[0], known))
+        return False
+    if masks_where_true or op is aten.mul.Tensor or not val.is_floating_point():
+        return False  # a float tensor read as a boolean, or a multiplicative (decay) mask
+    below = lambda c: c < _MASKED  # noqa: E731
+    if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        return (_same_trailing(args[1], val) and _all(args[2], known, below)
+                and is_causal_mask(aten.masked_fill.Scalar, args[1], known))
+    if t in _WHERE:
+        cond, a, b = args[:3]
+        if not _same_trailing(cond, val):
+            return False
+        if _all(b, known, below):
+            return is_causal_mask(aten.scaled_dot_product_attention.default, cond, known)
+        if _all(a, known, below):
+            return is_causal_mask(aten.masked_fill.Scalar, cond, known)
     return False
 
 

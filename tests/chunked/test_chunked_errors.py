@@ -130,3 +130,40 @@ def test_a_row_with_every_key_masked_by_a_finite_value_is_refused() -> None:
     want = model(x, right)
     got = gs.compile(model, plan="seco", chunk_size=3)(x, right)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class _PaddedFloatMaskSDPA(nn.Module):
+    """SDPA given an additive float mask: ``where(causal & keep, bias, -1e9)`` with a learned
+    per-key bias (ALiBi-like)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.slope = nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        T = x.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        allowed = causal[None] & keep[:, None, :].bool()
+        bias = self.slope * torch.arange(T, dtype=x.dtype, device=x.device)
+        mask = torch.where(allowed, bias.expand(x.shape[0], T, T), -1e9)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_sdpa_with_a_float_padding_mask_is_causal_and_left_padding_refused() -> None:
+    """The proof reads ``where(keep, x, -1e9)`` through to the boolean causal mask: right padding
+    is exact; a left-padded row masks every key with a finite value and is refused at the SDPA."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    right = torch.ones(2, 9)
+    right[0, -3:] = 0
+    model = _PaddedFloatMaskSDPA().double()
+    want = model(x, right)
+    got = gs.compile(model, plan="seco", chunk_size=3)(x, right)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    left = torch.ones(2, 9)
+    left[0, :3] = 0
+    with pytest.raises(gs.UnsupportedGraphError, match="masks every key up to it") as info:
+        gs.compile(_PaddedFloatMaskSDPA().double(), plan="seco", chunk_size=3)(x, left)
+    assert "node `scaled_dot_product_attention" in str(info.value) and "pad on the right" in str(info.value)

@@ -209,3 +209,53 @@ def test_integer_cache_points_take_no_gradient() -> None:
     ids = torch.randint(0, 64, (2, 37))
     ids[0, :4] = 0  # left padding
     _check_module(_MaskPositions().double(), (ids,), chunk=8)
+
+
+class _SinkAttention(torch.nn.Module):
+    """Attention with a learned sink logit per head appended to each row's keys (gpt-oss,
+    StreamingLLM): the key axis is the steps plus one position that is no step. ``first=True``
+    prepends it instead."""
+
+    def __init__(self, d: int = 12, heads: int = 3, first: bool = False) -> None:
+        super().__init__()
+        self.heads, self.first = heads, first
+        self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.sinks = torch.nn.Parameter(torch.randn(heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        mask = torch.full((T, T), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + mask
+        sink = self.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
+        logits = torch.cat([sink, scores] if self.first else [scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1)
+        probs = probs[..., 1:] if self.first else probs[..., :-1]  # the sink's weight is dropped
+        return self.out((probs @ v).transpose(1, 2).reshape(B, T, d))
+
+
+@pytest.mark.parametrize("plan", ["seco", "spaco"])
+def test_attention_sinks_after_the_keys_are_exact(plan: str) -> None:
+    """The sink column is the key axis's tail: every chunk's rows read their causal prefix of keys
+    and the sink; the slice that drops it leaves the prefix."""
+    torch.manual_seed(0)
+    model = _SinkAttention().double()
+    x = torch.randn(2, 11, 12, dtype=torch.float64)
+    options = {"chunk_size": 4} if plan == "seco" else {"chunk_size": 4, "budget": 1000}
+    cm = gs.compile(model, plan=plan, **options)
+    out, ref = cm(x), model(x)
+    assert (out - ref).abs().max() <= 1e-12
+    cot = torch.randn_like(ref)
+    wrt = [*model.parameters(), x.requires_grad_()]
+    assert rel_err(grads(ref, wrt, cot), grads(out, wrt, cot)) <= TOL
+
+
+def test_a_sink_before_the_keys_is_refused_naming_the_cat() -> None:
+    """A position without time before the steps would shift every key; refused at the ``cat``
+    with the order that works (the test above)."""
+    model = _SinkAttention(first=True).double()
+    with pytest.raises(gs.UnsupportedGraphError, match="before pieces that do") as info:
+        gs.compile(model, plan="seco", chunk_size=4)(torch.randn(2, 11, 12, dtype=torch.float64))
+    assert "node `cat" in str(info.value) and "test_seco_exact.py" in str(info.value)
+    assert "after the keys" in str(info.value)

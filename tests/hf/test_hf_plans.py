@@ -47,6 +47,8 @@ EXACT = [
     ("falcon", "sdpa", "seco"), ("bloom", "eager", "seco"),
     # multi-head latent attention and grouped top-k routing (a scatter along the experts)
     ("deepseek_v3", "sdpa", "seco"),
+    # gpt-oss's attention sinks: a learned logit appended to the key axis, softmaxed, dropped
+    ("gpt_oss", "eager", "seco"),
 ]
 #: Run by the slow matrix below too; kept out of the default suite's time budget.
 EXACT_SLOW = [("mamba", "sdpa", "none"), ("mamba", "sdpa", "seco"), ("mamba", "sdpa", "spaco"), ("mamba", "sdpa", "truncated_adjoint"),
@@ -127,7 +129,8 @@ def test_left_and_right_padded_batch_is_exact(family: str, plan: str) -> None:
 def test_left_padding_under_an_eager_additive_mask_is_refused(plan: str) -> None:
     """transformers' eager attention masks with the most negative finite value: a left-padded
     position, whose every earlier key is padding, weighs all keys alike -- future ones too. A
-    chunk cannot compute that: refused naming the softmax, and the advice (SDPA) is exact."""
+    chunk cannot compute that: refused naming the softmax; the advice (right padding) is exact,
+    and so is llama under SDPA, which gives it a boolean mask."""
     model, config = build("llama", attn="eager", fp64_loss=False)
     model.float()  # float32 throughout (in the float64 model the float32 softmax turns the mask to -inf)
     ids = inputs(config, batch=2, T=T)["input_ids"]
@@ -135,11 +138,28 @@ def test_left_padding_under_an_eager_additive_mask_is_refused(plan: str) -> None
     mask[0, :5] = 0
     with pytest.raises(GradshardError, match="masks every key up to it") as info:
         gs.compile(model, plan=plan, **OPTIONS[plan])(input_ids=ids, attention_mask=mask)
-    assert "node `softmax" in str(info.value) and "attn_implementation='sdpa'" in str(info.value)
+    assert "node `softmax" in str(info.value) and "pad on the right" in str(info.value)
     right = torch.ones_like(ids)
     right[0, -5:] = 0  # right padding: every row keeps a key
     assert _run_cell("llama", "eager", plan, float64=True, attention_mask=right) <= 1e-10
     assert _run_cell("llama", "sdpa", plan, float64=True, attention_mask=mask) <= 1e-10
+
+
+@pytest.mark.parametrize("plan", ["seco", "spaco"])
+def test_alibi_masked_by_padding_under_sdpa_is_causal_and_left_padding_refused(plan: str) -> None:
+    """falcon gives SDPA a float mask: its ALiBi bias ``masked_fill``-ed where ``where(causal &
+    padding, 0, min) < -1``. The causality proof follows the comparison and the fill through to the
+    boolean causal mask; right padding is exact. Left-padded rows mask every key with a finite
+    value, so SDPA weighs them all: refused at the attention, and the advice (right padding) holds."""
+    ids = inputs(build("falcon", attn="sdpa")[1], batch=2, T=T)["input_ids"]
+    right = torch.ones_like(ids)
+    right[1, -4:] = 0
+    assert _run_cell("falcon", "sdpa", plan, float64=True, attention_mask=right) <= 1e-10
+    left = right.clone()
+    left[0, :5] = 0
+    with pytest.raises(GradshardError, match="masks every key up to it") as info:
+        _run_cell("falcon", "sdpa", plan, float64=True, attention_mask=left)
+    assert "node `scaled_dot_product_attention" in str(info.value) and "pad on the right" in str(info.value)
 
 
 def test_alibi_bias_from_a_right_padded_mask_is_exact() -> None:

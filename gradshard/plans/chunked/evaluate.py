@@ -52,7 +52,7 @@ class ChunkEvaluator:
                  grad_inputs: dict[int, torch.Tensor] | None = None,
                  needs_grad: tuple[bool, ...] = (), dry: bool = False,
                  stash: AttentionStash | None = None, groups: dict[str, Any] | None = None,
-                 calls: CompiledCalls | None = None) -> None:
+                 calls: CompiledCalls | None = None, recompute: bool = False) -> None:
         self.program = program
         self.flat = flat
         self.index = index
@@ -61,6 +61,8 @@ class ChunkEvaluator:
             self.end = sys.maxsize
         self.cache = cache
         self.dry = dry
+        #: the backward's rerun of a chunk the forward computed: its run-time checks already passed
+        self.recompute = recompute
         self.memo: dict[tuple[str, Demand], Any] = {}
         self._keys: dict[str, list[tuple[str, Demand]]] = {}
         self._remaining = dict(program.use_counts)

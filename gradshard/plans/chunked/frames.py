@@ -4,7 +4,9 @@ A *frame* says which output dims of a node run along time. Each such dim is a
 :class:`TDim`: its index, the length of the time axis in window coordinates, and
 ``inner``, the product of the dims flattened *inside* it (a ``(B, T, V) -> (B*T, V)``
 reshape gives ``TDim(0, T, inner=1)`` with ``outer = B``; a pure time dim has
-``outer = inner = 1``). Score matrices have two time dims (query, key).
+``outer = inner = 1``). Score matrices have two time dims (query, key). ``tail``
+counts positions appended after the steps that are no step (attention sinks: a
+learned logit concatenated to each row's keys); every window keeps them.
 
 A *window* ``(lo, hi)`` selects steps ``lo <= t < hi`` of a time dim; a *demand* gives
 one window per time dim of a frame. A :class:`DimMap` derives an input's window from
@@ -39,14 +41,15 @@ class TDim:
     dim: int
     length: int
     inner: int = 1
+    tail: int = 0  # positions after the steps, in every window (module doc)
 
     def size(self, full_size: int, width: int) -> int:
         """Size of this dim when the window has ``width`` steps (``full_size`` at full length)."""
-        return full_size // self.length * width
+        return (full_size - self.tail) // self.length * width + self.tail
 
     def pure(self, full_size: int) -> bool:
-        """Is the dim time alone (not merged with other dims)?"""
-        return full_size == self.length and self.inner == 1
+        """Is the dim time alone (not merged with other dims, nothing appended)?"""
+        return full_size == self.length and self.inner == 1 and not self.tail
 
 
 Frame = tuple[TDim, ...]

@@ -21,6 +21,7 @@ analysis and the attention regions, in four steps:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -277,12 +278,12 @@ def _backfill(node: fx.Node, frame: Frame, overrides: dict[str, Frame]) -> bool:
             perm = list(range(nd))
             a, b = node.args[1] % nd, node.args[2] % nd
             perm[a], perm[b] = perm[b], perm[a]
-        return _backfill(src, tuple(TDim(perm[d.dim], d.length, d.inner) for d in frame), overrides)
+        return _backfill(src, tuple(replace(d, dim=perm[d.dim]) for d in frame), overrides)
     changed = False
     for arg in slots_of(node):  # pointwise, expand, triu/tril, comparisons, casts
         ashp = meta_shape(arg)
         off = len(shp) - len(ashp)
-        sub = tuple(TDim(d.dim - off, d.length, d.inner) for d in frame
+        sub = tuple(replace(d, dim=d.dim - off) for d in frame
                     if 0 <= d.dim - off < len(ashp) and ashp[d.dim - off] == shp[d.dim])
         changed |= _backfill(arg, sub, overrides)
     return changed

@@ -21,7 +21,7 @@ New ops plug in with :func:`register_chunk_rule`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -225,7 +225,7 @@ def _frame_from(tdims: Iterable[TDim]) -> Frame:
     by_dim: dict[int, TDim] = {}
     for t in tdims:
         old = by_dim.get(t.dim)
-        if old is not None and (old.length, old.inner) != (t.length, t.inner):
+        if old is not None and (old.length, old.inner, old.tail) != (t.length, t.inner, t.tail):
             raise ValueError(f"dim {t.dim} carries two different time axes ({old} vs {t})")
         by_dim[t.dim] = t
     return tuple(by_dim[d] for d in sorted(by_dim))
@@ -280,7 +280,7 @@ def _check_unframed_args(node: fx.Node, bc: BuildCtx, frame: Frame) -> None:
             continue
         shp = meta_shape(a)
         off = len(out) - len(shp)
-        want = [TDim(t.dim - off, t.length, t.inner) for t in frame
+        want = [replace(t, dim=t.dim - off) for t in frame
                 if 0 <= t.dim - off < len(shp) and shp[t.dim - off] == out[t.dim] and out[t.dim] > 1]
         if want:
             bc.missing.append((node, a, tuple(want)))

@@ -7,6 +7,7 @@ offsets). Registered into :data:`gradshard.plans.chunked.rules.CHUNK_RULES` on i
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,7 +34,7 @@ def _broadcast_mapper(node: fx.Node) -> Callable[[int, fx.Node, TDim], TDim | No
         j = td.dim + len(out) - len(shp)
         if j < 0 or j >= len(out) or out[j] != shp[td.dim]:
             return None
-        return TDim(j, td.length, td.inner)
+        return replace(td, dim=j)
 
     return mapper
 
@@ -147,7 +148,7 @@ def _permute_mapper(node: fx.Node) -> Callable[[int, fx.Node, TDim], TDim | None
     inverse = {p: i for i, p in enumerate(perm)}
 
     def mapper(i: int, a: fx.Node, td: TDim) -> TDim | None:
-        return TDim(inverse[td.dim], td.length, td.inner)
+        return replace(td, dim=inverse[td.dim])
 
     return mapper
 
@@ -191,7 +192,7 @@ def _repeat_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
 
     def mapper(i: int, a: fx.Node, td: TDim) -> TDim | None:
         j = td.dim + len(out) - len(meta_shape(a))
-        return TDim(j, td.length, td.inner) if reps[j] == 1 else None
+        return replace(td, dim=j) if reps[j] == 1 else None
 
     return positional(node, bc, mapper)
 
@@ -247,15 +248,29 @@ def _slice_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if not hit:
         return positional(node, bc, lambda i, a, td: td if i == 0 else None)
     t = hit[0]
-    if not t.pure(meta_shape(src)[dim]):
-        raise node_error(node, "slices a dim in which time is merged with another dim", _INSTEAD)
     if step != 1:
         raise node_error(node, f"takes every {step}-th step along time", _INSTEAD)
+    if t.tail and t.inner == 1 and end <= t.length:  # steps only: the tail dropped (after a sink's softmax)
+        t = replace(t, tail=0)
+        run: Any = _drop_tail_run
+    elif not t.pure(meta_shape(src)[dim]):
+        raise node_error(node, "slices a dim in which time is merged with another dim" if not t.tail else
+                         "slices a dim of steps and appended positions keeping some of the appended ones",
+                         _INSTEAD)
+    else:
+        run = _identity_run
     out_len = meta_shape(node)[dim]
     frame = _frame_from([TDim(dim, out_len)] + [x for x in fr if x.dim != dim])
     maps = tuple(DimMap("shift", _index_of(frame, dim), start, length=t.length) if x.dim == dim
                  else DimMap("same", _index_of(frame, x.dim)) for x in fr)
-    return NodeRule(frame, (maps,), _identity_run, note=f"shift {start}")
+    return NodeRule(frame, (maps,), run, note=f"shift {start}" + (", tail dropped" if run is _drop_tail_run else ""))
+
+
+def _drop_tail_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
+    """The source's window without the positions after its steps (a tail-dropping slice)."""
+    x = vals[0]
+    d, src_frame = _norm(_arg(node, 1, "dim", 0), x.dim()), ev.program.rules[node.args[0].name].frame
+    return x.narrow(d, 0, x.shape[d] - src_frame[_index_of(src_frame, d)].tail)
 
 
 @register_chunk_rule(aten.select)
@@ -266,7 +281,7 @@ def _select_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
         raise node_error(node, "selects one time step (a per-step Python loop or x[:, i]); chunked "
                          "plans run the model on windows of steps", "vectorise the loop (cumsum, "
                          "gradshard.kernels.linear_scan) or use plan='none'")
-    return positional(node, bc, lambda i, a, td: TDim(td.dim - (td.dim > dim), td.length, td.inner))
+    return positional(node, bc, lambda i, a, td: replace(td, dim=td.dim - (td.dim > dim)))
 
 
 def _index_rule_mapper(node: fx.Node, bc: BuildCtx) -> Callable[[int, fx.Node, TDim], TDim | None]:
@@ -282,8 +297,8 @@ def _index_rule_mapper(node: fx.Node, bc: BuildCtx) -> Callable[[int, fx.Node, T
 
     def mapper(i: int, a: fx.Node, td: TDim) -> TDim | None:
         if a is src and i == 0:
-            return TDim(td.dim if td.dim < p else td.dim + ni - 1, td.length, td.inner)
-        return TDim(p + td.dim, td.length, td.inner)
+            return replace(td, dim=td.dim if td.dim < p else td.dim + ni - 1)
+        return replace(td, dim=p + td.dim)
 
     return mapper
 
@@ -319,7 +334,7 @@ def _gather_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if any(t.dim == dim for t in bc.frame(src)):
         raise node_error(node, "gathers along the time axis (reads steps chosen by data)", _INSTEAD)
     if node.target is aten.index_select.default:
-        return positional(node, bc, lambda i, a, td: td if a is src else TDim(dim, td.length, td.inner))
+        return positional(node, bc, lambda i, a, td: td if a is src else replace(td, dim=dim))
     return positional(node, bc, lambda i, a, td: td)
 
 
@@ -368,28 +383,35 @@ def _cat_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
         rule = positional(node, bc, lambda i, a, td: td, run=_cat_run)
         _check_unframed_args(node, bc, rule.frame)
         return rule
-    # concatenation along time: piece i covers output steps [off_i, off_i + len_i)
+    # concatenation along time: piece i covers output steps [off_i, off_i + len_i); pieces without
+    # time along ``dim`` after the last step (an attention sink's logit after a row of keys) are
+    # the time dim's tail, whole in every window
     if any(not t.pure(meta_shape(p)[dim]) for p in pieces for t in bc.frame(p) if t.dim == dim):
         raise node_error(node, "concatenates along a dim where time is merged with another dim", _INSTEAD)
+    timed = [any(t.dim == dim for t in bc.frame(p)) for p in pieces]
+    n_steps = sum(meta_shape(p)[dim] for p, on in zip(pieces, timed) if on)
+    first_fixed = timed.index(False) if False in timed else len(timed)
+    if any(timed[first_fixed:]):
+        raise node_error(node, f"concatenates a piece `{pieces[first_fixed].name}` that does not run along "
+                         "time before pieces that do (pieces without time may only follow the last step)",
+                         "concatenate it after the keys (torch.cat([scores, sink], -1), then drop it with "
+                         "[..., :-1]), or use plan='none'")
     others = _frame_from(t for p in pieces for t in bc.frame(p) if t.dim != dim)
-    frame = _frame_from([TDim(dim, out[dim]), *others])
+    frame = _frame_from([TDim(dim, n_steps, tail=out[dim] - n_steps), *others])
     maps: list[Any] = []
     off = 0
-    for p in pieces:
+    for p, on in zip(pieces, timed):
         n = meta_shape(p)[dim]
         row = []
-        pf = bc.frame(p)
-        if not any(t.dim == dim for t in pf):
-            raise node_error(node, f"concatenates a piece `{p.name}` that does not run along time "
-                             "with pieces that do", _INSTEAD)
-        for t in pf:
+        for t in bc.frame(p):
             if t.dim == dim:
                 row.append(DimMap("shift", _index_of(frame, dim), -off, length=n))
             else:
                 row.append(DimMap("same", _index_of(frame, t.dim)))
-        maps.append(tuple(row))
+        maps.append(tuple(row) if row else None)
         off += n
-    return NodeRule(frame, tuple(maps), _cat_run, note="cat along time")
+    _check_unframed_args(node, bc, frame)
+    return NodeRule(frame, tuple(maps), _cat_run, note="cat along time" + (" and its tail" if frame[0].tail else ""))
 
 
 def _pad_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:
@@ -541,7 +563,7 @@ def _stack_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if not frames or any(f != frames[0] for f in frames) or not frames[0]:
         raise node_error(node, "stacks pieces that do not all run along time the same way (loop steps "
                          "stacked into a time axis, or time next to steps)", _INSTEAD)
-    return positional(node, bc, lambda i, a, td: TDim(td.dim + (td.dim >= dim), td.length, td.inner), run=_cat_run_stack)
+    return positional(node, bc, lambda i, a, td: replace(td, dim=td.dim + (td.dim >= dim)), run=_cat_run_stack)
 
 
 def _cat_run_stack(node: fx.Node, vals: list, demand: Demand, arg_demands: list, ev: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ def _place_operand(frame: Any, rank: int, contract: int, nd: int, outs: list[TDi
             row.append((td, "contract"))
             contracted = True
         else:
-            out = TDim(td.dim + nd - rank, td.length, td.inner)
+            out = replace(td, dim=td.dim + nd - rank)
             outs.append(out)
             row.append((td, out.dim))
     return contracted
@@ -142,7 +143,7 @@ def _einsum_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
         letters = _einsum_letters(spec, len(meta_shape(op)))
         for td in bc.frame(op):
             letter_t[letters[td.dim]] = td
-    outs = [TDim(out_letters.index(l), t.length, t.inner) for l, t in letter_t.items() if l in out_letters]
+    outs = [replace(t, dim=out_letters.index(l)) for l, t in letter_t.items() if l in out_letters]
     frame = _frame_from(outs)
     contracted = [l for l in letter_t if l not in out_letters]
     if contracted:
@@ -208,7 +209,7 @@ def _reduce_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
         return NodeRule((), (None,) * len(slots_of(node)), default_run, kind="global",
                         note="reduces over the whole sequence")
     if not time_red:
-        rule = positional(node, bc, lambda i, a, td: TDim(out_dim(td.dim), td.length, td.inner))
+        rule = positional(node, bc, lambda i, a, td: replace(td, dim=out_dim(td.dim)))
         if multi:
             rule.elem_frames = tuple(rule.frame for _ in node.meta["val"])
         return rule
@@ -232,7 +233,8 @@ def _softmax_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, e
     if demand[k][0] != 0 or (other and demand[k][1] != other[0][1]):
         raise RuntimeError(f"gradshard internal: softmax `{node.name}` asked for keys {demand[k]} "
                            f"with queries {other}; keys must be the causal prefix")
-    _refuse_fully_masked_rows(node, vals[0], d)
+    if not ev.recompute:
+        _refuse_fully_masked_rows(node, vals[0], d, _softmax_input_dtype(node, vals[0]), _EAGER_PADDING)
     return default_run(node, vals, demand, arg_demands, ev)
 
 
@@ -245,7 +247,11 @@ def _softmax_input_dtype(node: fx.Node, x: torch.Tensor) -> torch.dtype:
     return torch.float32 if half_to_float and x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
-def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int) -> None:
+_EAGER_PADDING = ("pad on the right, or use plan='none' (under attn_implementation='sdpa' most models give SDPA "
+                  "a boolean mask, whose masked rows read no future keys)")
+
+
+def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int, dtype: torch.dtype, instead: str) -> None:
     """Raise if a query row masks every key of its causal prefix with a finite value.
 
     A causal mask is additive, and transformers' eager attention masks with the dtype's most
@@ -253,10 +259,11 @@ def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int) -> No
     and the prefix is the whole softmax. A row that keeps none (a left-padded position, every
     key before it padding) weighs every key, future ones included: eager mixes the
     values of the whole sequence there, which a chunk of the causal prefix cannot compute.
-    (With -inf the row is NaN in eager and in the chunk alike.)"""
+    (With -inf the row is NaN in eager and in the chunk alike.) ``scores`` are the logits in
+    ``dtype`` (a softmax's input) or an SDPA's float mask."""
     if scores.device.type == "meta" or isinstance(scores, torch._subclasses.FakeTensor) or not scores.numel():
         return
-    x = scores.detach().to(_softmax_input_dtype(node, scores))
+    x = scores.detach().to(dtype)
     if not x.is_floating_point():
         return
     top = x.amax(dim=d)
@@ -265,10 +272,8 @@ def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int) -> No
     if bool(((top < -1e4) & top.isfinite()).any()):
         raise node_error(
             node, "a query row of this attention masks every key up to it with a finite value (left "
-            "padding under an additive eager mask): the model then weighs the values of every "
-            "position, future ones included, which a chunk of the sequence cannot compute",
-            "pad on the right, use attn_implementation='sdpa' where the model has it (its masked rows "
-            "read no future keys), or use plan='none'")
+            "padding under an additive mask): the model then weighs the values of every "
+            "position, future ones included, which a chunk of the sequence cannot compute", instead)
 
 
 @register_chunk_rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
@@ -321,7 +326,7 @@ def _loss_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
 
     def mapper(i: int, a: fx.Node, td: TDim) -> TDim | None:
         if a is x and len(meta_shape(x)) > 1:
-            return TDim(td.dim if td.dim == 0 else td.dim - 1, td.length, td.inner)
+            return replace(td, dim=td.dim if td.dim == 0 else td.dim - 1)
         return td
 
     return positional(node, bc, mapper)
@@ -440,6 +445,8 @@ def _sdpa_general_run(node: fx.Node, vals: list, demand: Demand, arg_demands: li
     lo, hi = demand[0]
     if is_causal:  # bottom-right aligned: query lo + i sees keys <= lo + i
         mask = torch.ones(hi - lo, hi, dtype=torch.bool, device=q.device).tril(lo)
+    elif isinstance(mask, torch.Tensor) and mask.is_floating_point() and not ev.recompute:  # additive
+        _refuse_fully_masked_rows(node, mask, -1, mask.dtype, "pad on the right, or use plan='none'")
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
         scale=kwargs.get("scale"), enable_gqa=bool(kwargs.get("enable_gqa", False)))
@@ -537,7 +544,7 @@ def _split_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if any(t.dim == dim for t in fr):
         raise node_error(node, "splits the time axis into pieces", _INSTEAD)
     removed = node.target is aten.unbind.int
-    frame = tuple(TDim(t.dim - (removed and t.dim > dim), t.length, t.inner) for t in fr)
+    frame = tuple(replace(t, dim=t.dim - (removed and t.dim > dim)) for t in fr)
     maps = tuple(DimMap("same", k) for k in range(len(fr))) or None
     n = len(node.meta.get("val") or ())
     rule = NodeRule(frame, tuple(maps if s is src else None for s in slots_of(node)), default_run)

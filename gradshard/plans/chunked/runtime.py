@@ -349,7 +349,7 @@ def run_backward(region: "ChunkedRegion", flat: Sequence[torch.Tensor], needs: S
         else:
             cache.begin_chunk(j)
             ev = ChunkEvaluator(program, flat, j, cache, grad_inputs=leaves, needs_grad=tuple(needs), stash=stash,
-                                groups=region.group_runners(), calls=region.compiled_calls())
+                                groups=region.group_runners(), calls=region.compiled_calls(), recompute=True)
             cache_leaves = None
         outs: list[torch.Tensor] = []
         cots: list[torch.Tensor] = []
