@@ -384,8 +384,10 @@ def _causal_by_structure(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] 
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return False
     t, args = mask.target, mask.args
-    if t in _MASK_PASS and isinstance(args[0], fx.Node):
-        return _same_trailing(args[0], val) and is_causal_mask(op, args[0], known)
+    if t in _MASK_PASS and isinstance(args[0], fx.Node):  # a bool -> float cast is no mask's pass-through
+        src = args[0].meta.get("val")
+        return (_same_trailing(args[0], val) and (src.dtype == torch.bool) == (val.dtype == torch.bool)
+                and is_causal_mask(op, args[0], known))
     masks_where_true = op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
     if val.dtype == torch.bool:
         combine = _BOOL_OR if masks_where_true else _BOOL_AND

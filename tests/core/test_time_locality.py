@@ -257,3 +257,40 @@ def test_a_padding_mask_input_carries_batch_and_time_and_its_conjunction_with_a_
     assert len(batch) == 1 and tl.time_class not in batch
     out = tl[_out(cap)]
     assert (out.reach.hi <= 0) == causal and (out.local.hi <= 0) == causal, out
+
+
+class FloatMaskedSDPA(PaddedCausalSDPA):
+    """SDPA given an additive float mask built from ``causal & pad`` (``kind`` says how)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 1, d).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(T)
+        keep = (pos[None, :] <= pos[:, None])[None, None] & attention_mask.bool()[:, None, None, :]
+        bias = 0.1 * pos.to(x.dtype).expand(B, 1, T, T)
+        low = torch.finfo(x.dtype).min
+        mask = {
+            "where": lambda: torch.where(keep, bias, low),
+            "where_swapped": lambda: torch.where(keep, low, bias),  # masks what the causal mask keeps
+            "masked_fill_of_compare": lambda: bias.masked_fill(torch.where(keep, 0.0, low) < -1, low),
+            "cast": lambda: keep.to(x.dtype),  # 1.0 / 0.0: weights, no mask
+            "fill_not_low_enough": lambda: bias.masked_fill(~keep, -1.0),
+        }[self.kind]()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind, causal", [("where", True), ("where_swapped", False), ("masked_fill_of_compare", True),
+                                          ("cast", False), ("fill_not_low_enough", False)])
+def test_an_additive_float_mask_is_causal_when_it_masks_the_future_below_the_threshold(kind: str, causal: bool) -> None:
+    """A float mask that reads the padding input is causal when every future entry is a constant
+    below -1e4: ``where(keep, x, low)``, ``masked_fill(x, f < c, low)`` of an additive causal ``f``
+    (falcon's ALiBi mask); a bool-to-float cast or a fill of -1 masks nothing."""
+    x, mask = torch.randn(2, 7, 8), torch.ones(2, 7)
+    cap = capture(FloatMaskedSDPA(kind), (x, mask))
+    tl = analyze_time_locality(cap.gm, example_inputs=cap.example_inputs)
+    out = tl[_out(cap)]
+    assert (out.reach.hi <= 0) == causal, out
