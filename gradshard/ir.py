@@ -110,10 +110,11 @@ class Stage:
     note: str = ""
 
 
-def is_call_input(ph: fx.Node) -> bool:
+def is_call_input(ph: fx.Node, untagged: bool = True) -> bool:
     """A placeholder that is a call input (``input{i}``), not a parameter or buffer (named after
-    the module state by the capture); an untagged placeholder counts as an input."""
-    return str(ph.meta.get("gs_input_name", "input")).startswith("input")
+    the module state by the capture); an untagged placeholder counts as an input if ``untagged``."""
+    name = ph.meta.get("gs_input_name")
+    return untagged if name is None else str(name).startswith("input")
 
 
 def graph_module(root: torch.nn.Module | dict, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:

@@ -68,7 +68,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gradshard.analysis.dims import shape_of
 from gradshard.capture import state_key
 from gradshard.errors import GradshardError, first_line
-from gradshard.ir import PassRecord, graph_module
+from gradshard.ir import PassRecord, graph_module, is_call_input
 from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.loop_chains import find_loops
 from gradshard.passes.respecialize import RespecializeError, call_sizes, cut_call, respecialize, time_facts
@@ -182,7 +182,7 @@ def _input_time_dims(gm: fx.GraphModule, tl: Any) -> dict[fx.Node, int]:
     out = {}
     for ph in gm.graph.find_nodes(op="placeholder"):
         d = tl.time_inputs.get(ph.name)
-        if d is not None and str(ph.meta.get("gs_input_name", "")).startswith("input") and shape_of(ph):
+        if d is not None and is_call_input(ph, untagged=False) and shape_of(ph):
             out[ph] = int(d)
     return out
 

@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from gradshard.errors import GradshardError, UnsupportedGraphError, node_error
-from gradshard.ir import Region
+from gradshard.ir import Region, is_call_input
 from gradshard.passes.meta_propagate import OnMeta, to_meta
 from gradshard.pipeline import PassContext, PassResult, ancestors, graph_pass
 from gradshard.plans.chunked.cache import CacheSpec
@@ -82,7 +82,7 @@ def _attention_sources(regions: Sequence[Region], nodes: dict[str, fx.Node]) -> 
 
 def _seq_len(gm: fx.GraphModule, rules: dict[str, NodeRule]) -> int:
     user = [rules[p.name].frame for p in gm.graph.find_nodes(op="placeholder")
-            if p.name in rules and str(p.meta.get("gs_input_name", "input")).startswith("input") and rules[p.name].frame]
+            if p.name in rules and is_call_input(p) and rules[p.name].frame]
     frames = user or [r.frame for n, r in rules.items() if r.kind == "input" and r.frame]
     if not frames:
         raise UnsupportedGraphError("no graph input runs along the time axis: nothing to chunk.\n"
@@ -149,7 +149,7 @@ def _grad_free(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> set[fx.Node
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             val = values.get(node) if node.op == "placeholder" else getattr(gm, node.target, None)
-            data = (node.op == "placeholder" and str(node.meta.get("gs_input_name", "")).startswith("input")
+            data = (node.op == "placeholder" and is_call_input(node, untagged=False)
                     and isinstance(val, torch.Tensor) and val.is_floating_point())
             if not data and not (isinstance(val, torch.Tensor) and val.requires_grad):
                 free.add(node)

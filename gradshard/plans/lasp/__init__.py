@@ -51,6 +51,7 @@ from gradshard.passes.annotate_time import annotate_time_locality
 from gradshard.passes.check_mutations import refuse_unordered_mutations
 from gradshard.passes.detect_regions import detect_regions
 from gradshard.errors import GradshardError
+from gradshard.ir import is_call_input
 from gradshard.pipeline import PassContext
 from gradshard.plans.lasp.group import exchange_lengths, resolve_group
 from gradshard.plans.lasp.rewrite import rewrite_lasp
@@ -68,7 +69,7 @@ def join_lasp_group(gm: fx.GraphModule, ctx: PassContext) -> tuple[str, ...]:
     """
     notes: list[str] = []
     phs = list(gm.graph.find_nodes(op="placeholder"))
-    users = [p for p in phs if str(p.meta.get("gs_input_name", "")).startswith("input")]
+    users = [p for p in phs if is_call_input(p, untagged=False)]
     if ctx.time_axis is None and users and getattr(users[0].meta.get("val"), "ndim", 0) >= 2:
         ctx.time_axis = (0, 1)
         notes.append("time axis: dim 1 of the first input (LASP default)")
