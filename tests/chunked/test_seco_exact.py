@@ -216,9 +216,9 @@ class _SinkAttention(torch.nn.Module):
     StreamingLLM): the key axis is the steps plus one position that is no step. ``first=True``
     prepends it instead."""
 
-    def __init__(self, d: int = 12, heads: int = 3, first: bool = False) -> None:
+    def __init__(self, d: int = 12, heads: int = 3, first: bool = False, flat: bool = False) -> None:
         super().__init__()
-        self.heads, self.first = heads, first
+        self.heads, self.first, self.flat = heads, first, flat
         self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
         self.sinks = torch.nn.Parameter(torch.randn(heads))
 
@@ -229,18 +229,21 @@ class _SinkAttention(torch.nn.Module):
         scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + mask
         sink = self.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
         logits = torch.cat([sink, scores] if self.first else [scores, sink], dim=-1)
+        if self.flat:  # (B*H, T, T+1): the keys and their tail stay one dim through the view
+            logits = logits.flatten(0, 1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)
         probs = probs[..., 1:] if self.first else probs[..., :-1]  # the sink's weight is dropped
+        probs = probs.view(B, self.heads, T, T)
         return self.out((probs @ v).transpose(1, 2).reshape(B, T, d))
 
 
-@pytest.mark.parametrize("plan", ["seco", "spaco"])
-def test_attention_sinks_after_the_keys_are_exact(plan: str) -> None:
+@pytest.mark.parametrize("plan, flat", [("seco", False), ("spaco", False), ("seco", True)])
+def test_attention_sinks_after_the_keys_are_exact(plan: str, flat: bool) -> None:
     """The sink column is the key axis's tail: every chunk's rows read their causal prefix of keys
     and the sink; the slice that drops it leaves the prefix."""
     torch.manual_seed(0)
-    model = _SinkAttention().double()
+    model = _SinkAttention(flat=flat).double()
     x = torch.randn(2, 11, 12, dtype=torch.float64)
     options = {"chunk_size": 4} if plan == "seco" else {"chunk_size": 4, "budget": 1000}
     cm = gs.compile(model, plan=plan, **options)

@@ -82,7 +82,13 @@ def _random_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
 
 
 def reshape_time(in_shape: Sequence[int], out_shape: Sequence[int], td: TDim) -> TDim | None:
-    """Where the time digit of ``td`` lands in a row-major reshape (None: it is split)."""
+    """Where the time digit of ``td`` lands in a row-major reshape (None: it is split, or a dim
+    with a tail is merged with another)."""
+    if td.tail:  # steps and their tail stay one whole dim: the same size, the same dims inside it
+        inside = math.prod(in_shape[td.dim + 1:])
+        n = in_shape[td.dim]
+        return next((replace(td, dim=j) for j in range(len(out_shape))
+                     if out_shape[j] == n and math.prod(out_shape[j + 1:]) == inside), None)
     stride = td.inner * math.prod(in_shape[td.dim + 1:])
     span = stride * td.length
     for j in range(len(out_shape)):
