@@ -51,8 +51,6 @@ _MASK_PASS = {aten.expand.default, aten.clone.default, aten._to_copy.default, at
               aten.alias.default, aten.contiguous.default}
 _BOOL_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
 _BOOL_OR = {aten.__or__.Tensor, aten.bitwise_or.Tensor, aten.logical_or.default}
-
-
 _WHERE = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar}
 #: comparisons with a constant that turn an additive float mask into a boolean one
 _BELOW = {aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor}  # True where masked

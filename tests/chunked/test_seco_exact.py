@@ -216,11 +216,13 @@ class _SinkAttention(torch.nn.Module):
     StreamingLLM): the key axis is the steps plus one position that is no step. ``first=True``
     prepends it instead."""
 
-    def __init__(self, d: int = 12, heads: int = 3, first: bool = False, flat: bool = False) -> None:
+    def __init__(self, d: int = 12, heads: int = 3, first: bool = False, flat: bool = False,
+                 sink_value: str = "") -> None:
         super().__init__()
-        self.heads, self.first, self.flat = heads, first, flat
+        self.heads, self.first, self.flat, self.sink_value = heads, first, flat, sink_value
         self.qkv, self.out = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
         self.sinks = torch.nn.Parameter(torch.randn(heads))
+        self.sink_v = torch.nn.Parameter(torch.randn(heads, 1, d // heads))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -233,17 +235,23 @@ class _SinkAttention(torch.nn.Module):
             logits = logits.flatten(0, 1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)
+        if self.sink_value:  # the sink keeps its weight and has a learned value row, or a zero row padded on
+            v = (torch.cat([v, self.sink_v.expand(B, -1, -1, -1)], dim=-2) if self.sink_value == "row"
+                 else F.pad(v, (0, 0, 0, 1)))  # as one more step: no tail
+            return self.out((probs @ v).transpose(1, 2).reshape(B, T, d))
         probs = probs[..., 1:] if self.first else probs[..., :-1]  # the sink's weight is dropped
         probs = probs.view(B, self.heads, T, T)
         return self.out((probs @ v).transpose(1, 2).reshape(B, T, d))
 
 
-@pytest.mark.parametrize("plan, flat", [("seco", False), ("spaco", False), ("seco", True)])
-def test_attention_sinks_after_the_keys_are_exact(plan: str, flat: bool) -> None:
+@pytest.mark.parametrize("plan, options", [("seco", {}), ("spaco", {}), ("seco", {"flat": True}),
+                                           ("seco", {"sink_value": "row"})])
+def test_attention_sinks_after_the_keys_are_exact(plan: str, options: dict) -> None:
     """The sink column is the key axis's tail: every chunk's rows read their causal prefix of keys
-    and the sink; the slice that drops it leaves the prefix."""
+    and the sink; the slice that drops it leaves the prefix, and a product with values that carry
+    a sink row of their own contracts both tails."""
     torch.manual_seed(0)
-    model = _SinkAttention(flat=flat).double()
+    model = _SinkAttention(**options).double()
     x = torch.randn(2, 11, 12, dtype=torch.float64)
     options = {"chunk_size": 4} if plan == "seco" else {"chunk_size": 4, "budget": 1000}
     cm = gs.compile(model, plan=plan, **options)
@@ -262,3 +270,7 @@ def test_a_sink_before_the_keys_is_refused_naming_the_cat() -> None:
         gs.compile(model, plan="seco", chunk_size=4)(torch.randn(2, 11, 12, dtype=torch.float64))
     assert "node `cat" in str(info.value) and "test_seco_exact.py" in str(info.value)
     assert "after the keys" in str(info.value)
+    with pytest.raises(gs.UnsupportedGraphError, match="only one operand has") as info:
+        gs.compile(_SinkAttention(sink_value="pad").double(), plan="seco", chunk_size=4)(
+            torch.randn(2, 11, 12, dtype=torch.float64))
+    assert "node `matmul" in str(info.value) or "node `bmm" in str(info.value)

@@ -70,6 +70,10 @@ def _matmul_like(node: fx.Node, bc: BuildCtx, a: fx.Node, b: fx.Node, bias: Any 
     contracted |= _place_operand(bc.frame(b), len(sb), len(sb) - 2, nd, outs, row_b)
     frame = _frame_from(outs)
     if contracted:
+        if len({td.tail for td, where in (*row_a, *row_b) if where == "contract"}) > 1:
+            raise node_error(node, "contracts a time axis whose appended positions (a sink column) only one "
+                             "operand has", "drop them before the product (probs[..., :-1] @ v), append as "
+                             "many to the other operand, or use plan='none'")
         _check_causal_mixer(node, bc, f"the product `{node.name}` contracts the time axis and")
         if len(frame) != 1:
             raise node_error(node, "contracts time but keeps no query time axis", _INSTEAD)
