@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -30,7 +30,7 @@ from gradshard.plans.chunked.frames import SKIP, Demand, is_empty
 from gradshard.plans.chunked.windows import narrow_window
 from gradshard.runtime.compiled import CompiledCalls
 
-__all__ = ["ChunkEvaluator", "NeedsCache", "FutureRead"]
+__all__ = ["ChunkEvaluator", "DeferredChecks", "NeedsCache", "FutureRead"]
 
 
 class NeedsCache(Exception):
@@ -45,6 +45,26 @@ class FutureRead(UnsupportedGraphError):
     """The model reads a step after the one it computes (found while chunking)."""
 
 
+class DeferredChecks:
+    """Run-time refusals the rules of a forward's chunks found, as device flags raised together when
+    the forward ends: one host sync per step, not one per chunk and node."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, Callable[[], Exception]]] = []
+
+    def add(self, failed: torch.Tensor, error: Callable[[], Exception]) -> None:
+        """Record ``failed`` (a 0-d bool tensor) and the error to raise if it is true."""
+        self._items.append((failed, error))
+
+    def raise_first(self) -> None:
+        """Raise the error of the first failed check, if any."""
+        if not self._items:
+            return
+        flags = torch.stack([f for f, _ in self._items])
+        if bool(flags.any()):
+            raise self._items[int(flags.nonzero()[0, 0])][1]()
+
+
 class ChunkEvaluator:
     """One chunk of one pass (forward, backward recompute, or dry run); see module doc."""
 
@@ -52,7 +72,8 @@ class ChunkEvaluator:
                  grad_inputs: dict[int, torch.Tensor] | None = None,
                  needs_grad: tuple[bool, ...] = (), dry: bool = False,
                  stash: AttentionStash | None = None, groups: dict[str, Any] | None = None,
-                 calls: CompiledCalls | None = None, recompute: bool = False) -> None:
+                 calls: CompiledCalls | None = None, recompute: bool = False,
+                 checks: DeferredChecks | None = None) -> None:
         self.program = program
         self.flat = flat
         self.index = index
@@ -63,6 +84,8 @@ class ChunkEvaluator:
         self.dry = dry
         #: the backward's rerun of a chunk the forward computed: its run-time checks already passed
         self.recompute = recompute
+        #: where rules put run-time refusals (None: raised at once)
+        self.checks = checks
         self.memo: dict[tuple[str, Demand], Any] = {}
         self._keys: dict[str, list[tuple[str, Demand]]] = {}
         self._remaining = dict(program.use_counts)

@@ -238,7 +238,7 @@ def _softmax_run(node: fx.Node, vals: list, demand: Demand, arg_demands: list, e
         raise RuntimeError(f"gradshard internal: softmax `{node.name}` asked for keys {demand[k]} "
                            f"with queries {other}; keys must be the causal prefix")
     if not ev.recompute:
-        _refuse_fully_masked_rows(node, vals[0], d, _softmax_input_dtype(node, vals[0]), _EAGER_PADDING)
+        _refuse_fully_masked_rows(node, vals[0], d, _softmax_input_dtype(node, vals[0]), _EAGER_PADDING, ev)
     return default_run(node, vals, demand, arg_demands, ev)
 
 
@@ -255,8 +255,10 @@ _EAGER_PADDING = ("pad on the right, or use plan='none' (under attn_implementati
                   "a boolean mask, whose masked rows read no future keys)")
 
 
-def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int, dtype: torch.dtype, instead: str) -> None:
-    """Raise if a query row masks every key of its causal prefix with a finite value.
+def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int, dtype: torch.dtype, instead: str,
+                              ev: Any) -> None:
+    """Refuse (at once, or through ``ev.checks`` when the forward ends) a query row that masks every
+    key of its causal prefix with a finite value.
 
     A causal mask is additive, and transformers' eager attention masks with the dtype's most
     negative finite value (others use -1e9), not -inf: where a row keeps one key, the masked ones weigh 0
@@ -273,11 +275,18 @@ def _refuse_fully_masked_rows(node: fx.Node, scores: torch.Tensor, d: int, dtype
     top = x.amax(dim=d)
     # masked as the causality proof reads a mask (``is_causal_mask``: below -1e4), finite (a row of
     # -inf is NaN in eager and in the chunk alike)
-    if bool(((top < -1e4) & top.isfinite()).any()):
-        raise node_error(
+    failed = ((top < -1e4) & top.isfinite()).any()
+
+    def error() -> Exception:
+        return node_error(
             node, "a query row of this attention masks every key up to it with a finite value (left "
             "padding under an additive mask): the model then weighs the values of every "
             "position, future ones included, which a chunk of the sequence cannot compute", instead)
+
+    if ev.checks is not None:
+        ev.checks.add(failed, error)
+    elif bool(failed):
+        raise error()
 
 
 @register_chunk_rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
@@ -450,7 +459,7 @@ def _sdpa_general_run(node: fx.Node, vals: list, demand: Demand, arg_demands: li
     if is_causal:  # bottom-right aligned: query lo + i sees keys <= lo + i
         mask = torch.ones(hi - lo, hi, dtype=torch.bool, device=q.device).tril(lo)
     elif isinstance(mask, torch.Tensor) and mask.is_floating_point() and not ev.recompute:  # additive
-        _refuse_fully_masked_rows(node, mask, -1, mask.dtype, "pad on the right, or use plan='none'")
+        _refuse_fully_masked_rows(node, mask, -1, mask.dtype, "pad on the right, or use plan='none'", ev)
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False,
         scale=kwargs.get("scale"), enable_gqa=bool(kwargs.get("enable_gqa", False)))

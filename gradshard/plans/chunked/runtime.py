@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 from gradshard.ir import Stage
 from gradshard.plans.chunked.attention import AttentionStash
 from gradshard.plans.chunked.cache import CacheSpec, CacheStore
-from gradshard.plans.chunked.evaluate import ChunkEvaluator, RecursionGuard
+from gradshard.plans.chunked.evaluate import ChunkEvaluator, DeferredChecks, RecursionGuard
 from gradshard.plans.chunked.groups import GroupCache, GroupRunner, find_local_groups
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.reductions import Reduction
@@ -263,6 +263,7 @@ def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: Attentio
     nums: dict[str, Any] = {}
     dens: dict[str, Any] = {}
     kept = None
+    checks = DeferredChecks()
     with torch.no_grad(), RecursionGuard():
         for j in range(program.num_chunks):
             keep = keep_leaves is not None and j == program.num_chunks - 1
@@ -270,9 +271,9 @@ def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: Attentio
                 cache.grad_mode = True
                 cache.begin_chunk(j)
                 ev = ChunkEvaluator(program, flat, j, cache, grad_inputs=keep_leaves, needs_grad=tuple(needs),
-                                    groups=groups, calls=calls)
+                                    groups=groups, calls=calls, checks=checks)
             else:
-                ev = ChunkEvaluator(program, flat, j, cache, stash=stash, groups=groups, calls=calls)
+                ev = ChunkEvaluator(program, flat, j, cache, stash=stash, groups=groups, calls=calls, checks=checks)
             values: dict[str, torch.Tensor] = {}
             with torch.enable_grad() if keep else contextlib.nullcontext():
                 for o in program.outputs:
@@ -295,6 +296,7 @@ def run_forward(program: ChunkProgram, flat: list[torch.Tensor], stash: Attentio
                 win = program.cache_window(name, j)
                 cache.write(name, j, win[0], ev.value(program.nodes[name], (win,)))
             del ev, values
+    checks.raise_first()
     results = []
     for o in program.outputs:
         if o.kind == "time":
