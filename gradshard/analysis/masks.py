@@ -21,12 +21,10 @@ aten = torch.ops.aten
 
 
 def is_causal_mask(op: Any, mask: fx.Node, known: dict[str, torch.Tensor] | None = None) -> bool:
-    """Is ``mask`` (a constant) causal as used by ``op``: every future entry masked?
-
-    ``add``/SDPA float masks mask with ``-inf`` (or a very negative number); ``mul`` (decay
-    masks of linear attention) with zeros; ``masked_fill`` masks where True; ``where(cond, scores, -inf)`` and SDPA bool masks keep where True.
-    Masking part of the past too (sliding windows) is still causal.
-    """
+    """Is ``mask`` causal as ``op`` reads it (module doc): every future entry masked? Read from its
+    values when it is computed from constants (``known`` placeholders included), else from how it
+    is built (:func:`_causal_by_structure`). Masking part of the past too (sliding windows) is
+    still causal."""
     val = evaluate_constant(mask, known)
     if val is None:
         return _causal_by_structure(op, mask, known)
