@@ -26,6 +26,11 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _is_legacy_empty(shape: tuple | None) -> bool:
+    """A 1-d shape of size 0, known without a guard (a data-dependent size is never dropped)."""
+    return shape is not None and len(shape) == 1 and type(shape[0]) is int and shape[0] == 0
+
+
 def drop_empty_cat_pieces(gm: fx.GraphModule) -> int:
     """``cat([empty(0), x], d)`` -> ``cat([x], d)``: ``torch.cat`` skips legacy empty 1-d
     pieces of any rank (a transformers ``DynamicCache`` starts as ``torch.tensor([])``)."""
@@ -37,7 +42,7 @@ def drop_empty_cat_pieces(gm: fx.GraphModule) -> int:
         pieces = node.args[0]
         if out is None or len(out) <= 1 or not isinstance(pieces, (list, tuple)):
             continue
-        kept = [p for p in pieces if not (isinstance(p, fx.Node) and _shape(p) == (0,))]
+        kept = [p for p in pieces if not (isinstance(p, fx.Node) and _is_legacy_empty(_shape(p)))]
         if len(kept) == len(pieces) or not kept:
             continue
         node.args = (kept, *node.args[1:])

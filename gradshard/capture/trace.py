@@ -38,6 +38,7 @@ from torch.nn.utils import stateless
 
 from gradshard.ir import graph_module
 from gradshard.capture.canonical import canonicalize
+from gradshard.capture.data_dependent import refuse_data_dependent_sizes
 from gradshard.capture.stack_traces import frames_above, share_stack_traces
 from gradshard.capture.mutations import functionalize_buffer_updates
 from gradshard.errors import CaptureError, first_line, summary
@@ -398,8 +399,10 @@ def _why_trace_failed(exc: BaseException) -> str:
     if any(s in text for s in ("data-dependent", "tracing tensor", "DataDependent", "GuardOnDataDependent")):
         return ("  why: a value computed from tensor data decides Python control flow (e.g. "
                 "`if x.sum() > 0`, `.item()`, `.tolist()`)\n"
-                "  instead: make the branch a tensor op (torch.where), move it out of the model, or "
-                "mark the call a leaf with gradshard.capture.register_leaf_module")
+                "  instead: make the branch a tensor op (torch.where) or move it out of the model (a "
+                "mixture of experts that loops over the experts that got tokens: compute every expert on "
+                "every token, weighted by the routing, or a grouped GEMM); or train this model with plain "
+                "autograd, without gs.compile")
     return (f"  why: the model raised {type(exc).__name__} while it was traced at the example inputs' shapes "
             "and dtypes (the same call fails, or would fail, eagerly: check the inputs' rank, dtype and "
             "length)\n  instead: call the model eagerly with these inputs to see the error in its own terms, "
@@ -533,6 +536,7 @@ def _capture(target: nn.Module | Callable[..., Any], args: tuple, kwargs: dict, 
         raise CaptureError("could not capture the model into one graph: " + _explain_trace_failure(exc) + "\n"
                            + why) from exc
     _name_placeholders(gm, [n for n, _ in named_params] + [n for n, _ in named_buffers], example)
+    refuse_data_dependent_sizes(gm)
     if symbolic is not None:
         return Captured(gm=gm, frontend=frontend, param_names=[n for n, _ in named_params],
                         buffer_names=[n for n, _ in named_buffers], params=[p for _, p in named_params],

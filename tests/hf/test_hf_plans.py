@@ -260,7 +260,8 @@ FLOAT64_REORDER = 1e-8
 @pytest.mark.slow
 @pytest.mark.parametrize("family, attn, plan", CELLS, ids=["-".join(c) for c in CELLS])
 def test_every_cell_is_exact_or_refused(family: str, attn: str, plan: str) -> None:
-    """Exact, or refused naming a node. A family that computes in float32 inside its float64
+    """Exact, or refused naming a node (or, where the capture cannot trace the model, its source
+    line: dbrx's loop over the experts that got tokens). A family that computes in float32 inside its float64
     forward is held to 1e-5; where its float32 computation is too ill-conditioned for that
     (the reordered float32 sums differ by more), the cell must be exact with those float32
     islands computed in float64 instead."""
@@ -268,7 +269,8 @@ def test_every_cell_is_exact_or_refused(family: str, attn: str, plan: str) -> No
         err = _run_cell(family, attn, plan)
     except GradshardError as exc:
         text = str(exc)
-        assert "node `" in text or "plan=" in text, f"refusal names no node: {text}"
+        assert "node `" in text or "plan=" in text or (
+            text.startswith("could not capture the model") and "\n  at " in text), f"refusal names no node: {text}"
         return
     tol = _tolerance(family, attn)
     if err > tol and tol > 1e-10:

@@ -229,6 +229,79 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         **_DECODER, "layer_types": ["linear_attention", "full_attention"],
         "num_local_experts": 4, "num_experts_per_tok": 2, "block_size": 16,
     },
+    # --- families added for code we did not write (second wave) ---
+    # partial rotary (half of head_dim 8), per-head q/k LayerNorm, biased qkv, parallel residual
+    "stablelm": {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": MAX_POS, "qk_layernorm": True,
+        "use_qkv_bias": True, "use_parallel_residual": True, "partial_rotary_factor": 0.5,
+    },
+    # sliding layers with rope, full layers without (NoPE), interleaved rope, bias-free
+    # LayerNorm, parallel block, logit scale
+    "cohere2": {
+        **{k: v for k, v in _DECODER.items() if k != "head_dim"}, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"], "logit_scale": 0.0625,
+    },
+    # q/k RMSNorm over all heads, clip_qkv clamp, top-2 of 4 MoE without renormalisation
+    "olmoe": {
+        **{k: v for k, v in _DECODER.items() if k != "head_dim"}, "num_experts": 4,
+        "num_experts_per_tok": 2, "clip_qkv": 0.5,
+    },
+    # MoE with a shared expert behind a sigmoid gate, biased qkv; layer 1 dense (mlp_only_layers)
+    "qwen2_moe": {
+        **_DECODER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32, "mlp_only_layers": [1],
+    },
+    # fused Wqkv clamped to clip_qkv, GQA, LayerNorm without bias, top-2 of 4 experts
+    "dbrx": {
+        "d_model": HIDDEN, "n_heads": 4, "max_seq_len": MAX_POS,
+        # rope_theta: DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig
+        # lacks in 5.24 (AttributeError without it); the rotary itself uses rope_parameters
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # mixture of attention heads (routed q/o projections, top-2 of 4) and an MoE MLP
+    "jetmoe": {
+        "hidden_size": HIDDEN, "intermediate_size": 32, "num_key_value_heads": 2, "kv_channels": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": MAX_POS,
+    },
+    # squared-ReLU MLP (no gate), LayerNorm1P (weight + 1), partial rotary (half of head_dim)
+    "nemotron": {**_DECODER, "hidden_act": "relu2"},
+    # q/k LayerNorm, partial rotary (half), squared ReLU, fused qkv, biased projections
+    "persimmon": {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
+        "max_position_embeddings": MAX_POS, "qk_layernorm": True,
+    },
+    # multi-head latent attention (complex-multiply rope), layer 0 dense, layer 1 greedy top-2
+    # MoE with a shared expert
+    "deepseek_v2": {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": MAX_POS,
+        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+        "v_head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "topk_method": "greedy",
+    },
+    # dynamic mask attention (value-dependent additive mask, top-k of keys kept when T exceeds
+    # keep_window_size), residual scales; cross-domain MoE (product-key routed experts + shared)
+    "doge": {
+        **_DECODER, "keep_window_size": 16, "is_moe": True, "num_experts": 16,
+        "num_experts_per_tok": 2,
+    },
+    # layer 0 mamba (v1, multi-head), layer 1 shared attention block on concat(h, embeddings)
+    # + mamba
+    "zamba": {
+        "hidden_size": HIDDEN, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "max_position_embeddings": MAX_POS, "n_mamba_heads": 2,
+        "layers_block_type": ["linear_attention", "hybrid"], "mamba_d_state": 8,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4,
+    },
+    # xIELU activation (learned alpha_p / alpha_n), q/k RMSNorm, non-gated MLP
+    "apertus": {
+        **_DECODER, "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+            "original_max_position_embeddings": 64, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        },
+    },
 }
 
 #: Every family, in a stable order (attention, pure recurrent, hybrids).
@@ -242,7 +315,7 @@ NO_ATTENTION: set[str] = {"mamba", "falcon_mamba", "mamba2", "xlstm", "rwkv"}
 #: convolutions (width ``conv_L_cache``=3) with input gates, a finite window, not a scan.
 RECURRENT: set[str] = {
     "mamba", "falcon_mamba", "mamba2", "jamba", "bamba", "zamba2", "falcon_h1", "nemotron_h",
-    "granitemoehybrid", "recurrent_gemma", "qwen3_next", "xlstm", "rwkv", "minimax",
+    "granitemoehybrid", "recurrent_gemma", "qwen3_next", "xlstm", "rwkv", "minimax", "zamba",
 }
 
 #: Families that cannot be built in this transformers version, with the reason.

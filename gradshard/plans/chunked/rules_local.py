@@ -159,6 +159,16 @@ def _permute_mapper(node: fx.Node) -> Callable[[int, fx.Node, TDim], TDim | None
     return mapper
 
 
+@register_chunk_rule(aten.view_as_complex, aten.view_as_real)
+def _complex_view_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    """``view_as_complex`` folds a trailing (real, imaginary) dim of 2 into the dtype, ``view_as_real``
+    unfolds it (complex-multiply RoPE): every other dim, time included, keeps its index."""
+    src = node.args[0]
+    if any(t.dim == len(meta_shape(src)) - 1 for t in bc.frame(src)):
+        raise node_error(node, "views the time axis as (real, imaginary) pairs", _INSTEAD)
+    return positional(node, bc, lambda i, a, td: td)
+
+
 @register_chunk_rule(aten.permute, aten.transpose, aten.t, aten.movedim, aten.swapaxes, aten.swapdims)
 def _permute_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
     if node.target is aten.movedim.intlist:

@@ -20,6 +20,7 @@ from gradshard.errors import node_error
 from gradshard.ops.rolled_body import run_rolled_body
 from gradshard.plans.chunked.frames import SKIP, Demand, DimMap, TDim
 from gradshard.plans.chunked.rules_block import block_readout_rule, block_states_rule, match_block_scan
+from gradshard.plans.chunked.rules_local import pointwise_rule
 from gradshard.plans.chunked.rules import (
     AttentionSource, BuildCtx, CHUNK_RULES, default_run, meta_shape, NodeRule, positional,
     rebuild_args, register_chunk_rule, slots_of, _arg, _frame_from, _index_of, _INSTEAD, _norm,
@@ -194,6 +195,8 @@ def _reduced_dims(node: fx.Node, nd: int) -> tuple[list[int] | None, bool]:
                      aten.var, aten.std, aten.norm, aten.linalg_vector_norm, aten.logsumexp,
                      aten.any, aten.all, aten.argmax, aten.argmin, aten.var_mean, aten.std_mean)
 def _reduce_rule(node: fx.Node, bc: BuildCtx) -> NodeRule:
+    if len(node.args) > 1 and isinstance(node.args[1], fx.Node):  # max.other / min.other: elementwise
+        return pointwise_rule(node, bc)
     src = node.args[0]
     shp = meta_shape(src)
     nd = len(shp)
