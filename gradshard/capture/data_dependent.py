@@ -20,8 +20,10 @@ __all__ = ["refuse_data_dependent_sizes"]
 
 
 def _unbacked(val: object) -> bool:
+    """Has a tensor in ``val`` a data-dependent size? (A scalar read from data, ``x.item()`` used as
+    a number, sizes nothing.)"""
     vals = val if isinstance(val, (list, tuple)) else (val,)
-    return any(isinstance(v, (torch.Tensor, torch.SymInt)) and bool(free_unbacked_symbols(v)) for v in vals)
+    return any(isinstance(v, torch.Tensor) and bool(free_unbacked_symbols(v)) for v in vals)
 
 
 def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
@@ -29,9 +31,9 @@ def refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and _unbacked(node.meta.get("val")):
             raise node_error(
-                node, "it makes a size from tensor values (data-dependent routing: `.tolist()` of the "
-                "tokens per expert, `nonzero`, boolean indexing); gradshard's plans slice and price a "
-                "graph by sizes known from the input's shape",
+                node, "the size of its output depends on tensor values (data-dependent routing: sizes "
+                "from `.tolist()` of the tokens per expert, `nonzero`, boolean indexing); gradshard's "
+                "plans slice and price a graph by sizes known from the input's shape",
                 "compute every expert on every token and weight by the routing (a dense or "
                 "grouped-GEMM MoE), or train this model with plain autograd (no gs.compile)",
                 cls=CaptureError)
