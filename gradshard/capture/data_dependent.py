@@ -4,8 +4,8 @@ A model that routes tokens with ``nonzero`` / boolean indexing (a mixture-of-exp
 dispatch that gathers each expert's tokens) traces into a graph whose sizes are
 *unbacked* symbols: known only when the data is. gradshard's analyses and plans read
 sizes from the input's shape (which dims run along time, how a chunk or shard is
-sliced, what a step costs), so such a graph is refused at capture, naming the node that
-makes the first data-dependent size.
+sliced, what a step costs), so such a graph is refused at capture, naming the first node
+whose output tensor has a data-dependent size.
 """
 
 from __future__ import annotations
