@@ -105,65 +105,53 @@ class _PaddedSoftmaxAttention(nn.Module):
         super().__init__()
         self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
 
+    @staticmethod
+    def allowed(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``causal & keep``: (B, T, T), True where a query may read a key."""
+        T = x.shape[1]
+        return torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None] & keep[:, None, :].bool()
+
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        T = x.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        allowed = causal[None] & keep[:, None, :].bool()
-        scores = q @ k.transpose(1, 2) / 8 ** 0.5 + (~allowed).to(x.dtype) * -1e9
+        scores = q @ k.transpose(1, 2) / 8 ** 0.5 + (~self.allowed(x, keep)).to(x.dtype) * -1e9
         return self.out(torch.softmax(scores, dim=-1) @ v)
 
 
-def test_a_row_with_every_key_masked_by_a_finite_value_is_refused() -> None:
-    """A left-padded row keeps no key of its prefix: with a finite mask value the softmax weighs
-    every key, future ones too, which a chunk cannot compute. Refused naming the softmax; right
-    padding (every row keeps a key) is exact."""
-    x = torch.randn(2, 9, 8, dtype=torch.float64)
-    left = torch.ones(2, 9)
-    left[0, :3] = 0
-    with pytest.raises(gs.UnsupportedGraphError, match="masks every key up to it") as info:
-        gs.compile(_PaddedSoftmaxAttention().double(), plan="seco", chunk_size=3)(x, left)
-    assert "node `softmax" in str(info.value) and "test_chunked_errors.py" in str(info.value)
-    right = torch.ones(2, 9)
-    right[0, -3:] = 0
-    model = _PaddedSoftmaxAttention().double()
-    want = model(x, right)
-    got = gs.compile(model, plan="seco", chunk_size=3)(x, right)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
-class _PaddedFloatMaskSDPA(nn.Module):
+class _PaddedFloatMaskSDPA(_PaddedSoftmaxAttention):
     """SDPA given an additive float mask: ``where(causal & keep, bias, -1e9)`` with a learned
     per-key bias (ALiBi-like)."""
 
     def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        super().__init__(d)
         self.slope = nn.Parameter(torch.tensor(0.1))
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         T = x.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        allowed = causal[None] & keep[:, None, :].bool()
+        allowed = self.allowed(x, keep)
         bias = self.slope * torch.arange(T, dtype=x.dtype, device=x.device)
         mask = torch.where(allowed, bias.expand(x.shape[0], T, T), -1e9)
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-def test_sdpa_with_a_float_padding_mask_is_causal_and_left_padding_refused() -> None:
-    """The proof reads ``where(keep, x, -1e9)`` through to the boolean causal mask: right padding
-    is exact; a left-padded row masks every key with a finite value and is refused at the SDPA."""
+@pytest.mark.parametrize("model_cls, node", [(_PaddedSoftmaxAttention, "softmax"),
+                                             (_PaddedFloatMaskSDPA, "scaled_dot_product_attention")])
+def test_a_row_with_every_key_masked_by_a_finite_value_is_refused(model_cls: type, node: str) -> None:
+    """A left-padded row keeps no key of its prefix: with a finite mask value the softmax (or SDPA,
+    given the float mask ``where(keep, x, -1e9)``, which the proof reads through to the boolean
+    causal mask) weighs every key, future ones too, which a chunk cannot compute. Refused naming
+    the node; the advice, right padding (every row keeps a key), is exact."""
     torch.manual_seed(0)
     x = torch.randn(2, 9, 8, dtype=torch.float64)
-    right = torch.ones(2, 9)
-    right[0, -3:] = 0
-    model = _PaddedFloatMaskSDPA().double()
-    want = model(x, right)
-    got = gs.compile(model, plan="seco", chunk_size=3)(x, right)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     left = torch.ones(2, 9)
     left[0, :3] = 0
     with pytest.raises(gs.UnsupportedGraphError, match="masks every key up to it") as info:
-        gs.compile(_PaddedFloatMaskSDPA().double(), plan="seco", chunk_size=3)(x, left)
-    assert "node `scaled_dot_product_attention" in str(info.value) and "pad on the right" in str(info.value)
+        gs.compile(model_cls().double(), plan="seco", chunk_size=3)(x, left)
+    msg = str(info.value)
+    assert f"node `{node}" in msg and "test_chunked_errors.py" in msg and "pad on the right" in msg
+    right = torch.ones(2, 9)
+    right[0, -3:] = 0
+    model = model_cls().double()
+    want = model(x, right)
+    got = gs.compile(model, plan="seco", chunk_size=3)(x, right)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
