@@ -40,13 +40,17 @@ def grad_leaves(leaves: Sequence[Any], needs: Sequence[bool]) -> list[Any]:
 def add_input_grad(grads: list[Optional[torch.Tensor]], i: int, g: torch.Tensor, time_dim: Optional[int],
                    start: int, stop: int, zeros: Callable[[], torch.Tensor]) -> None:
     """Accumulate a shard's gradient ``g`` of input ``i`` into ``grads[i]``: whole when the input has
-    no time dim, else into ``[start, stop)`` along ``time_dim`` of a full-length buffer (``zeros()``)."""
-    if time_dim is None:
-        grads[i] = g if grads[i] is None else grads[i] + g
-        return
+    no time dim, else into ``[start, stop)`` along ``time_dim`` of a full-length buffer (``zeros()``).
+
+    Both accumulate in place into a buffer of our own: ``acc + g`` would hold the old sum, the
+    shard's ``g`` and the new sum at once (a third parameter-sized buffer at every shard), and a
+    shard's ``g`` itself may alias what its backward returned, so it is never written into."""
     if grads[i] is None:
         grads[i] = zeros()
-    grads[i].narrow(time_dim, start, stop - start).add_(g)
+    if time_dim is None:
+        grads[i].add_(g)
+    else:
+        grads[i].narrow(time_dim, start, stop - start).add_(g)
 
 
 def shard_bounds(T: int, shard_size: int) -> list[tuple[int, int]]:

@@ -13,9 +13,12 @@ chunk. The backward runs the flash backward of each part with the *merged* ``o``
 ``(e - s) x s`` score matrix is ever stored: memory is the cache plus O(chunk).
 Grouped-query attention is native (key head ``h // n_rep`` serves query head ``h``).
 
-On CPU this uses ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``);
-elsewhere it falls back to ``F.scaled_dot_product_attention`` with an explicit
-bottom-right causal mask over the concatenated keys.
+On CPU this uses ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``).
+Elsewhere (CUDA) it is one ``F.scaled_dot_product_attention`` over the concatenated keys with
+``causal_lower_right`` (:func:`lower_right_attention`): torch runs it as flash attention
+(half precision) or memory-efficient attention with a bottom-right causal mask type (float32),
+neither storing a score matrix. An explicit boolean mask there, with grouped-query heads, would
+select the math kernel, which saves the ``c x T`` probabilities of every head for the backward.
 
 *Stash* (:class:`AttentionStash`, used when the program is composed with Inductor): the
 forward keeps each chunk's merged ``o`` and ``l`` (one activation per attention layer,
@@ -36,7 +39,8 @@ import torch.nn.functional as F
 
 from gradshard.passes.meta_propagate import device_type
 
-__all__ = ["prefix_attention", "prefix_attention_reference", "AttentionStash", "stash_slot"]
+__all__ = ["prefix_attention", "prefix_attention_reference", "lower_right_attention", "AttentionStash",
+           "stash_slot"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -139,7 +143,29 @@ def prefix_attention(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch
             stash.put(chunk, key, o, lse)
             return o
         return _PrefixFlash.apply(q, k_past, v_past, k_cur, v_cur, scale, stash.take(chunk, key))
+    if device_type(q) != "cpu":
+        k = k_cur if k_past is None else torch.cat([k_past, k_cur], dim=-2)
+        v = v_cur if v_past is None else torch.cat([v_past, v_cur], dim=-2)
+        return lower_right_attention(q, k, v, scale)
     return prefix_attention_reference(q, k_past, v_past, k_cur, v_cur, scale)
+
+
+def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Queries ``q`` (B, H, c, D), the last ``c`` of keys ``k``/``v`` (B, Hkv, S, D), each seeing the keys
+    up to its own step (causal, aligned bottom-right); ``H`` a multiple of ``Hkv``.
+
+    ``causal_lower_right`` lets torch pick a fused kernel with that mask built in; its fused paths
+    take equal head counts only (``enable_gqa`` is dropped there), so grouped key heads are
+    repeated first: one ``(B, H, S, D)`` copy per call, far below the ``(B, H, c, S)`` probabilities
+    the math kernel would keep.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    rep = q.shape[-3] // k.shape[-3]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]),
+                                          scale=scale)
 
 
 def prefix_attention_reference(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch.Tensor | None,

@@ -460,6 +460,9 @@ def _sdpa_general_run(node: fx.Node, vals: list, demand: Demand, arg_demands: li
     is_causal = bool(_arg_value(node, args, kwargs, 5, "is_causal", False))
     lo, hi = demand[0]
     if is_causal:  # bottom-right aligned: query lo + i sees keys <= lo + i
+        if q.device.type != "cpu":  # a fused kernel, not the math one an explicit mask picks (attention.py)
+            from gradshard.plans.chunked.attention import lower_right_attention
+            return lower_right_attention(q, k, v, kwargs.get("scale"))
         mask = torch.ones(hi - lo, hi, dtype=torch.bool, device=q.device).tril(lo)
     elif isinstance(mask, torch.Tensor) and mask.is_floating_point() and not ev.recompute:  # additive
         _refuse_fully_masked_rows(node, mask, -1, mask.dtype, "pad on the right, or use plan='none'", ev)
