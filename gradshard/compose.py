@@ -165,6 +165,14 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[
 
     Random ops fall back to aten, so a seeded call draws what the eager graph draws.
     ``compile_fx`` takes ownership of ``gm`` (it may change it).
+
+    AOTAutograd's on-disk cache is off for these compiles (Inductor's FX graph cache still serves
+    the kernels): in torch 2.13 an entry whose outputs are views of intermediates (a chunk group's
+    ``transpose`` of a projection) stores the views' replay metadata as process addresses, and the
+    next process that loads it fails in ``gen_alias_from_base`` with garbage sizes
+    (``shape '[94804194802712, 5090430415215529921, 4]' is invalid``), as torch's own config notes
+    (``view_replay_for_aliased_outputs``: not compatible with AOTAutogradCache). The price is
+    AOTAutograd's trace at a warm first call (~2.5 s on the example Llama under seco).
     """
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -174,7 +182,8 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[
     # FX graph cache (and AOTAutograd's) then serve a segment compiled before from disk.
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    return compile_fx(gm, fakes, config_patches={"fallback_random": True})
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, fakes, config_patches={"fallback_random": True})
 
 
 compile_with_inductor.display_name = "Inductor"  # type: ignore[attr-defined]
