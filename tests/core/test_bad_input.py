@@ -46,6 +46,24 @@ def test_nan_in_the_first_input_gives_eagers_result(plan: str, options: dict) ->
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("factory, plan, options", [
+    (llama, "seco", {"chunk_size": 8}), (llama, "spaco", {"chunk_size": 8}), (llama, "none", {}),
+    (ssm, "adjoint", {"shard_size": 8}),
+], ids=["seco", "spaco", "none", "adjoint"])
+def test_a_token_id_past_the_vocabulary_raises_eagers_index_error_at_the_embedding(factory, plan, options) -> None:
+    """Not a gradshard error advising another plan: the model's own error, as every plan raises it (the
+    chunked plans and the adjoint's compiled shards add the node that raised it)."""
+    model, (ids,) = factory(seq_len=24, batch=1)
+    bad = ids.clone()
+    bad[0, 5] = 10**6
+    with pytest.raises(IndexError, match="index out of range") as eager:
+        model(bad)
+    with pytest.raises(IndexError, match="index out of range") as got:
+        gs.compile(model, plan=plan, **options)(bad)
+    assert type(got.value) is type(eager.value)
+    assert plan == "none" or "embedding" in "\n".join(getattr(got.value, "__notes__", [])) + str(got.value)
+
+
 def test_wrong_rank_is_a_capture_error_that_says_what_failed() -> None:
     with pytest.raises(CaptureError, match=r"(?s)raised \w+ while it was traced.*call the model eagerly"):
         gs.compile(Mixer().double(), plan="none")(torch.randn(4, dtype=torch.float64))

@@ -236,11 +236,19 @@ class ChunkEvaluator:
                     out = rule.run(node, vals, demand, arg_demands, self)
             except (GradshardError, NeedsCache):
                 raise
+            except IndexError as exc:  # an index in the data out of range: the model's own error
+                exc.add_note(str(node_error(
+                    node, f"raised on steps {list(demand)} of chunk {self.index}",
+                    "an index in the input is out of range (a token id >= the vocabulary size, a position "
+                    "past the table): the model raises this without gs.compile too; if it does not, "
+                    "please report it")))
+                raise
             except Exception as exc:
                 raise node_error(node, f"failed on steps {list(demand)} of chunk {self.index}: "
                                  f"{summary(exc)}",
-                                 "this op's time behaviour is not what gradshard assumed; please report it, "
-                                 "and use plan='none' meanwhile") from exc
+                                 "if the model raises this without gs.compile too, fix that first; else this "
+                                 "op's time behaviour is not what gradshard assumed: please report it, and use "
+                                 "plan='none' meanwhile") from exc
             for arg, smap in inputs:
                 if smap is not SKIP:
                     self._release(arg)
