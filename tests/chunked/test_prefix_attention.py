@@ -38,13 +38,21 @@ def test_lower_right_attention_is_the_masked_prefix_attention(H: int, Hkv: int, 
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
 
 
-def test_cpu_flash_merge_is_the_masked_prefix_attention() -> None:
-    """The CPU form (a diagonal flash call and a prefix flash call merged by log-sum-exp)."""
+@pytest.mark.parametrize("threads", [1, 4], ids=["grouped-heads-native", "grouped-heads-repeated"])
+def test_cpu_flash_merge_is_the_masked_prefix_attention(threads: int) -> None:
+    """The CPU form (a diagonal flash call and a prefix flash call merged by log-sum-exp); its backward
+    with the grouped key heads as they are (as many (batch, key head) pairs as threads) and repeated
+    (fewer pairs than threads)."""
     q, kp, vp, kc, vc = _qkv(1, 4, 2, 13, 6, 8)
     ins = (q, kp, vp, kc, vc)
-    out = prefix_attention(*ins)
-    ref = prefix_attention_reference(*ins)
-    assert torch.allclose(out, ref, rtol=0, atol=1e-13)
-    cot = torch.randn_like(ref)
-    for a, b in zip(_grads(out, ins, cot), _grads(ref, ins, cot)):
-        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = prefix_attention(*ins)
+        ref = prefix_attention_reference(*ins)
+        assert torch.allclose(out, ref, rtol=0, atol=1e-13)
+        cot = torch.randn_like(ref)
+        for a, b in zip(_grads(out, ins, cot), _grads(ref, ins, cot)):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    finally:
+        torch.set_num_threads(before)
