@@ -23,7 +23,7 @@ demo: $(STAMP)
 # WORKERS pytest-xdist processes (one thread each), a file per worker at a time: module
 # fixtures are built once per file.
 WORKERS ?= 2
-XDIST   := -n $(WORKERS) --dist loadfile
+XDIST   := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(XDIST)

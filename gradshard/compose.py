@@ -50,6 +50,7 @@ one activation per attention layer). LASP's communicating modules run as they ar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -65,7 +66,7 @@ from .errors import GradshardError, node_error, summary
 from .runtime.compiled import RegionGraphs, SharedCompiles, signature
 from .schedule import Program
 
-__all__ = ["Segment", "ComposedGraph", "SegmentCompiler", "compose_graph", "compile_with_inductor", "mark_program",
+__all__ = ["Segment", "ComposedGraph", "SegmentCompiler", "compose_graph", "compile_with_inductor", "returns_views", "mark_program",
            "is_region_node"]
 
 #: ``compiler(segment_gm, example_inputs) -> callable`` taking the segment's inputs unboxed.
@@ -166,13 +167,13 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[
     Random ops fall back to aten, so a seeded call draws what the eager graph draws.
     ``compile_fx`` takes ownership of ``gm`` (it may change it).
 
-    AOTAutograd's on-disk cache is off for these compiles (Inductor's FX graph cache still serves
-    the kernels): in torch 2.13 an entry whose outputs are views of intermediates (a chunk group's
-    ``transpose`` of a projection) stores the views' replay metadata as process addresses, and the
-    next process that loads it fails in ``gen_alias_from_base`` with garbage sizes
-    (``shape '[94804194802712, 5090430415215529921, 4]' is invalid``), as torch's own config notes
-    (``view_replay_for_aliased_outputs``: not compatible with AOTAutogradCache). The price is
-    AOTAutograd's trace at a warm first call (~2.5 s on the example Llama under seco).
+    AOTAutograd's on-disk cache is off for graphs that return views (:func:`returns_views`;
+    Inductor's FX graph cache still serves their kernels): in torch 2.13 such an entry stores the
+    views' replay metadata (outputs aliasing an intermediate: a chunk group's ``transpose`` of a
+    projection) as process addresses, and the next process that loads it fails in
+    ``gen_alias_from_base`` with garbage sizes (``shape '[94804194802712, 5090430415215529921, 4]'
+    is invalid``), as torch's own config notes (``view_replay_for_aliased_outputs``: not compatible
+    with AOTAutogradCache). The price is AOTAutograd's trace of those graphs at a warm first call.
     """
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -182,8 +183,22 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[
     # FX graph cache (and AOTAutograd's) then serve a segment compiled before from disk.
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    uncached = torch._functorch.config.patch(enable_autograd_cache=False) if returns_views(gm) else contextlib.nullcontext()
+    with uncached:
         return compile_fx(gm, fakes, config_patches={"fallback_random": True})
+
+
+def returns_views(gm: fx.GraphModule) -> bool:
+    """Whether an output of ``gm`` is made by a view op (directly, or an item of a view op's list)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for node in torch.utils._pytree.tree_leaves(out.args):
+        if not isinstance(node, fx.Node):
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+            return True
+    return False
 
 
 compile_with_inductor.display_name = "Inductor"  # type: ignore[attr-defined]

@@ -12,8 +12,9 @@ if str(ROOT) not in sys.path:
 torch.manual_seed(0)
 
 # The test files by their measured time on 2 cores (cold Inductor cache; Intel Xeon, 2026-11-29),
-# longest first (order matters only for speed): `pytest -n 2 --dist loadfile` hands the files out
-# in this order, so the short ones come last and both workers finish together (longest
+# longest first (order matters only for speed): `pytest -n 2 --dist loadfile --no-loadscope-reorder`
+# hands the files out in this order (without that flag xdist re-sorts them by their number of tests,
+# which put one-test files of a minute, the Triton interpreter's and the wheel's, last), so the short ones come last and both workers finish together (longest
 # processing time first) instead of one running a long file alone at the end. Unlisted files
 # (under ~14 s) follow in collection order.
 LONGEST_FIRST = (
