@@ -66,7 +66,7 @@ from results_md import OUTPUT_DIR, RESULTS, write_section  # noqa: E402
 
 HEADING = "## Composing with Inductor (issue 19)"
 HEADING_GPU = "## Composing with Inductor on GPU (issue 19)"
-MODELS = ("ssm", "mingru", "llama", "hf_llama", "hf_mamba2")
+MODELS = ("ssm", "mingru", "llama", "llama_mqa", "hf_llama", "hf_mamba2")
 RECURRENT = ("ssm", "mingru", "hf_mamba2")  # adjoint rows (seco and spaco rows on every model)
 METHODS = ("eager", "ckpt", "compile", "compile_budget", "gs_none", "gs_adjoint", "gs_adjoint_eager",
            "gs_adjoint_recompute", "gs_truncated", "gs_seco", "gs_seco_eager", "gs_spaco", "gs_partial",
@@ -193,6 +193,10 @@ def make_model(name: str, T: int, batch: int) -> tuple[nn.Module, torch.Tensor, 
         model, (ids,) = factories.llama(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=172,
                                         seq_len=T, batch=batch)
         return model, ids, "example Llama (`factories.llama`): d=64, 4 layers, 4 heads (2 KV), SDPA, RoPE"
+    if name == "llama_mqa":
+        model, (ids,) = factories.llama(d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, intermediate_size=172,
+                                        seq_len=T, batch=batch)
+        return model, ids, "example Llama with one KV head (multi-query): d=64, 4 layers, 4 heads, SDPA, RoPE"
     if name == "mingru":
         torch.manual_seed(0)
         model = MinGRULM()
@@ -354,7 +358,8 @@ def cpu_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", default="1k,4k,8k")
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=",".join(m for m in MODELS if m != "llama_mqa"),
+                   help=f"any of {','.join(MODELS)} (llama_mqa: only when named)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"any of {','.join(METHODS)}")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--shard-size", type=int, default=512)

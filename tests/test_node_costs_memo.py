@@ -81,19 +81,23 @@ def test_scheduled_program_costs_are_unchanged_by_the_memo() -> None:
 
 
 def test_older_objects_are_frozen_inside_and_a_callers_freeze_is_left_alone() -> None:
+    # a frozen object can still die (another thread of the process may drop it), so the frozen count
+    # may fall while it is read; it never rises without a freeze
     assert gc.get_freeze_count() == 0
     with older_objects_frozen():
         assert gc.get_freeze_count() > 0
         inner = gc.get_freeze_count()
+        young = [[] for _ in range(1000)]  # tracked objects a second freeze would take too
         with older_objects_frozen():  # nested (validate_plan around gs.cost): nothing more
-            assert gc.get_freeze_count() == inner
-        assert gc.get_freeze_count() == inner
+            assert gc.get_freeze_count() <= inner
+        assert 0 < gc.get_freeze_count() <= inner
+        del young
     assert gc.get_freeze_count() == 0
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         with older_objects_frozen():
             pass
-        assert gc.get_freeze_count() == frozen  # the caller's freeze stays
+        assert 0 < gc.get_freeze_count() <= frozen  # the caller's freeze stays
     finally:
         gc.unfreeze()
