@@ -96,3 +96,38 @@ def test_low_precision_on_cuda_is_as_good_as_eager(model: str, plan: str, dtype:
     assert rows[0]["run"] == "eager" and eager < float("inf"), rows[0]
     for row in rows[1:]:
         assert not isinstance(row["error"], str) and row["error"] <= 1.5 * eager + 1e-4, (row, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seco_chunk_attention_keeps_no_probabilities_on_cuda(dtype: torch.dtype) -> None:
+    """A chunk's queries against the prefix keys with grouped heads (gradshard/plans/chunked/attention.py):
+    a fused kernel (memory-efficient in float32, flash in bfloat16), so what autograd keeps for the
+    backward is O(keys), not the (heads x chunk x keys) probabilities the math kernel would keep;
+    values and gradients as the explicit-mask reference in float64."""
+    from gradshard.plans.chunked.attention import lower_right_attention, prefix_attention_reference
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    B, H, Hkv, c, S, D = 1, 8, 2, 1024, 4096, 64  # kept by a fused kernel: q, repeated k and v, o, lse
+    q = torch.randn(B, H, c, D, device=CUDA, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(B, Hkv, S, D, device=CUDA, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(B, Hkv, S, D, device=CUDA, dtype=dtype, generator=g).requires_grad_()
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = lower_right_attention(q, k, v)
+    probabilities = B * H * c * S * 4  # what the math kernel keeps (in float32) at least
+    assert sum(saved) < probabilities / 4, (sum(saved), probabilities)  # fused: about 1/6 in float32
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = prefix_attention_reference(x64[0], x64[1][:, :, :S - c], x64[2][:, :, :S - c],
+                                     x64[1][:, :, S - c:], x64[2][:, :, S - c:])
+    cot = torch.randn(ref.shape, device=CUDA, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), cot.to(dtype))
+    want = torch.autograd.grad(ref, x64, cot)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(out.double(), ref.detach()) <= tol
+    for a, b in zip(got, want):
+        assert _rel(a.double(), b) <= tol
