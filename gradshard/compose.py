@@ -66,8 +66,8 @@ from .errors import GradshardError, node_error, summary
 from .runtime.compiled import RegionGraphs, SharedCompiles, signature
 from .schedule import Program
 
-__all__ = ["Segment", "ComposedGraph", "SegmentCompiler", "compose_graph", "compile_with_inductor", "returns_views", "mark_program",
-           "is_region_node"]
+__all__ = ["Segment", "ComposedGraph", "SegmentCompiler", "compose_graph", "compile_with_inductor", "returns_views",
+           "mark_program", "is_region_node"]
 
 #: ``compiler(segment_gm, example_inputs) -> callable`` taking the segment's inputs unboxed.
 SegmentCompiler = Callable[[fx.GraphModule, list], Callable[..., Any]]
@@ -183,8 +183,8 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[
     # FX graph cache (and AOTAutograd's) then serve a segment compiled before from disk.
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    uncached = torch._functorch.config.patch(enable_autograd_cache=False) if returns_views(gm) else contextlib.nullcontext()
-    with uncached:
+    uncached = returns_views(gm)
+    with torch._functorch.config.patch(enable_autograd_cache=False) if uncached else contextlib.nullcontext():
         return compile_fx(gm, fakes, config_patches={"fallback_random": True})
 
 

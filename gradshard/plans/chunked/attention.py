@@ -168,7 +168,8 @@ def prefix_attention(q: torch.Tensor, k_past: torch.Tensor | None, v_past: torch
     return prefix_attention_reference(q, k_past, v_past, k_cur, v_cur, scale)
 
 
-def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float | None = None) -> torch.Tensor:
     """Queries ``q`` (B, H, c, D), the last ``c`` of keys ``k``/``v`` (B, Hkv, S, D), each seeing the keys
     up to its own step (causal, aligned bottom-right); ``H`` a multiple of ``Hkv``.
 
