@@ -23,10 +23,10 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("fn, cached", [
-    (lambda x: x.t(), False),                      # a view of an input
+    (lambda x: x.t(), False),  # a view of an input
     (lambda x: (x.sin().view(3, 2), x.cos()), False),  # a view of an intermediate
-    (lambda x: torch.split(x.exp(), 1), False),     # items of a view op's list
-    (lambda x: (x.sin() @ x.t(),), True),            # fresh tensors only: AOTAutograd's cache serves it
+    (lambda x: torch.split(x.exp(), 1), False),  # items of a view op's list
+    (lambda x: (x.sin() @ x.t(),), True),  # fresh tensors only: AOTAutograd's cache serves it
 ], ids=["input-view", "intermediate-view", "split", "no-view"])
 def test_graphs_returning_views_compile_with_the_autograd_cache_off(monkeypatch: pytest.MonkeyPatch, fn,
                                                                      cached: bool) -> None:
