@@ -173,8 +173,8 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: list) -> Callable[
     projection) as process addresses, and the next process that loads it fails in
     ``gen_alias_from_base`` with garbage sizes (``shape '[94804194802712, 5090430415215529921, 4]'
     is invalid``), as torch's own config notes (``view_replay_for_aliased_outputs``: not compatible
-    with AOTAutogradCache). The price is AOTAutograd's trace of those graphs at a warm first call
-    (seco's chunk groups return q/k/v transposes: 3.2 -> 6.5 s on the example Llama at 1K).
+    with AOTAutogradCache). The price is AOTAutograd's trace of those graphs at a warm first call;
+    seco's chunk groups leave their trailing views out (``groups._peel_output_views``) to keep it.
     """
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode

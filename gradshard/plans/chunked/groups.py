@@ -120,6 +120,7 @@ def find_local_groups(program: Any) -> list[LocalGroup]:
             users.setdefault(a.name, []).append(name)
     groups: list[LocalGroup] = []
     for names in comps.values():
+        names = _peel_output_views(program, names, users)
         if len(names) < 2:
             continue
         inside = set(names)
@@ -130,6 +131,20 @@ def find_local_groups(program: Any) -> list[LocalGroup]:
         groups.append(LocalGroup(len(groups), tuple(names), tuple(inputs), tuple(outputs), tuple(internal),
                                  tuple(reads)))
     return groups
+
+
+def _peel_output_views(program: Any, names: list[str], users: dict[str, list[str]]) -> list[str]:
+    """``names`` without the view ops that only nodes outside the group read (repeatedly: a view of a
+    peeled view is peeled too). They run node by node, so the group returns their bases: a compiled
+    function that returns a view regenerates it at every call, and AOTAutograd does not cache it
+    (``gradshard.compose.returns_views``)."""
+    inside = set(names)
+    for m in reversed(names):  # users after their inputs: one reverse pass peels whole view chains
+        target = program.nodes[m].target
+        if (isinstance(target, torch._ops.OpOverload) and target.is_view
+                and not any(u in inside for u in users.get(m, ()))):
+            inside.discard(m)
+    return [m for m in names if m in inside]
 
 
 class _RuleContext:
