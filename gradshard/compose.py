@@ -61,7 +61,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .ir import graph_module
+from .ir import graph_module, is_view_node
 from .errors import GradshardError, node_error, summary
 from .runtime.compiled import RegionGraphs, SharedCompiles, signature
 from .schedule import Program
@@ -197,7 +197,7 @@ def returns_views(gm: fx.GraphModule) -> bool:
             continue
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             node = node.args[0]
-        if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        if is_view_node(node):
             return True
     return False
 

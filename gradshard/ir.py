@@ -17,7 +17,8 @@ try:  # Inductor's own graph modules: Python code generated at the first call, n
 except ImportError:  # pragma: no cover - an older torch: code generated at construction
     _GraphModuleClass = fx.GraphModule
 
-__all__ = ["SourceLoc", "Region", "PassRecord", "Stage", "source_of", "graph_module", "is_call_input"]
+__all__ = ["SourceLoc", "Region", "PassRecord", "Stage", "source_of", "graph_module", "is_call_input",
+           "is_view_node"]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
 _INTERNAL = ("/torch/", "/gradshard/", "/passes/", "/kernels/", "<eval_with_key>")
@@ -115,6 +116,11 @@ def is_call_input(ph: fx.Node, untagged: bool = True) -> bool:
     the module state by the capture); an untagged placeholder counts as an input if ``untagged``."""
     name = ph.meta.get("gs_input_name")
     return untagged if name is None else str(name).startswith("input")
+
+
+def is_view_node(node: fx.Node) -> bool:
+    """Whether ``node`` runs an aten op whose result aliases its input (``view``, ``transpose``, ...)."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def graph_module(root: torch.nn.Module | dict, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:

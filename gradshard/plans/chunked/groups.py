@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from gradshard.errors import summary
+from gradshard.ir import is_view_node
 from gradshard.plans.chunked.frames import SKIP, Demand
 from gradshard.plans.chunked.rules import default_run
 from gradshard.plans.chunked.rules_local import _cat_run, _expand_run, _reshape_run
@@ -140,9 +141,7 @@ def _peel_output_views(program: Any, names: list[str], users: dict[str, list[str
     (``gradshard.compose.returns_views``)."""
     inside = set(names)
     for m in reversed(names):  # users after their inputs: one reverse pass peels whole view chains
-        target = program.nodes[m].target
-        if (isinstance(target, torch._ops.OpOverload) and target.is_view
-                and not any(u in inside for u in users.get(m, ()))):
+        if is_view_node(program.nodes[m]) and not any(u in inside for u in users.get(m, ())):
             inside.discard(m)
     return [m for m in names if m in inside]
 
